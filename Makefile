@@ -1,0 +1,37 @@
+# The README's two commands: `make run` and `make test`. Both build the local
+# virtual environment from requirements.lock on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench lock clean
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m bench.checkpoints
+	$(VENV)/bin/honcho start
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.engine_throughput
+
+# Regenerate the lock from pyproject.toml. torch is pinned to the CPU build
+# that CI installs; the project's own requirement stays a range.
+lock:
+	$(PY) -m pip install --quiet pip-tools
+	$(VENV)/bin/pip-compile --quiet --extra dev --strip-extras \
+		-c .ci/torch-constraint.txt -o requirements.lock.tmp pyproject.toml
+	grep -vE '^--(extra-index-url|find-links)' requirements.lock.tmp \
+		| sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' > requirements.lock
+	rm -f requirements.lock.tmp
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

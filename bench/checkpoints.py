@@ -1,0 +1,54 @@
+"""Creates (once) and locates the random-weight "bench-small" Llama checkpoint the benchmarks run on.
+
+Nothing is downloaded: the model is built from a config with a seeded init and saved with save_pretrained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = REPO_ROOT / ".cache" / "bench-small"  # .cache/ is git-ignored
+SEED = 0
+
+# The shape is part of the benchmark's definition: changing it changes every number.
+BENCH_SMALL = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=1376,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+
+def _is_complete(model_dir: Path) -> bool:
+    """A checkpoint counts as present only if its config matches BENCH_SMALL and the weights were written."""
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file() or not any(model_dir.glob("*.safetensors")):
+        return False
+    cfg = json.loads(cfg_path.read_text())
+    return all(cfg.get(k) == v for k, v in BENCH_SMALL.items())
+
+
+def ensure_bench_small(model_dir: str | Path | None = None) -> Path:
+    """Return the checkpoint folder, creating the seeded random float32 model there first if it is missing."""
+    model_dir = Path(model_dir) if model_dir is not None else DEFAULT_DIR
+    if _is_complete(model_dir):
+        return model_dir
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**BENCH_SMALL, dtype="float32")
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+if __name__ == "__main__":
+    print(ensure_bench_small())

@@ -1,0 +1,1 @@
+"""The gateway process: gRPC front end, queues and dispatch. Never imports torch or the worker package."""

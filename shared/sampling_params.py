@@ -1,0 +1,155 @@
+"""Per-request sampling parameters: the one validated, immutable description of how a request is decoded.
+Pure Python and stdlib only (the gateway imports it too): no torch, no numpy, and no sampling logic here."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Seeds must fit a signed 64-bit integer so every torch backend (and any IPC encoding) can hold them.
+MAX_SEED = 2**63
+
+
+def _check_int(name: str, value: Any, allowed: str) -> int:
+    """Coerce an int-like (int, or anything with __index__ such as a numpy int); the caller range-checks it."""
+    # bool is an int subclass, but True as max_tokens is always a caller bug.
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}") from None
+    return as_int
+
+
+def _check_float(name: str, value: Any, allowed: str) -> float:
+    """Coerce a real number (int or float, not bool) to a finite float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    as_float = float(value)
+    # NaN compares false with everything, so it would slip through every range check below.
+    if not math.isfinite(as_float):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return as_float
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token of one request. Validated on construction; ValueError names field, value, range."""
+
+    max_tokens: int = 16  # >= 1
+    temperature: float = 1.0  # >= 0; 0 means greedy
+    top_p: float = 1.0  # (0, 1]; 1 disables
+    top_k: int = 0  # 0 disables, else >= 1
+    min_p: float = 0.0  # [0, 1]; 0 disables
+    repetition_penalty: float = 1.0  # > 0; 1 disables; HF/CTRL semantics over prompt + generated tokens
+    seed: int | None = None  # per-request seed, 0 <= seed < 2**63
+    stop_token_ids: tuple[int, ...] = ()  # lists accepted and converted to tuple
+    stop: tuple[str, ...] = ()  # applied by the gateway's detokenizer; carried here only
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the log-probability of each chosen token
+
+    def __post_init__(self) -> None:
+        # frozen=True forbids normal assignment; object.__setattr__ stores the normalised values once, here.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        max_tokens = _check_int("max_tokens", self.max_tokens, "an int >= 1")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        put("max_tokens", max_tokens)
+
+        temperature = _check_float("temperature", self.temperature, "a finite float >= 0")
+        if temperature < 0:
+            raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature!r}")
+        put("temperature", temperature)
+
+        top_p = _check_float("top_p", self.top_p, "in (0, 1]")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        put("top_p", top_p)
+
+        top_k = _check_int("top_k", self.top_k, "0 (disabled) or an int >= 1")
+        if top_k < 0:
+            raise ValueError(f"top_k must be 0 (disabled) or an int >= 1, got {self.top_k!r}")
+        put("top_k", top_k)
+
+        min_p = _check_float("min_p", self.min_p, "in [0, 1]")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        put("min_p", min_p)
+
+        penalty = _check_float("repetition_penalty", self.repetition_penalty, "a finite float > 0")
+        if penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite float > 0, got {self.repetition_penalty!r}")
+        put("repetition_penalty", penalty)
+
+        if self.seed is not None:
+            seed = _check_int("seed", self.seed, "None or an int in [0, 2**63)")
+            if not 0 <= seed < MAX_SEED:
+                raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+            put("seed", seed)
+
+        put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
+        put("stop", self._normalise_stop(self.stop))
+
+        for name in ("ignore_eos", "logprobs"):
+            value = getattr(self, name)
+            # Strict: 0/1 or "false" from a JSON body would otherwise be silently truthy/falsy.
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+
+    @staticmethod
+    def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
+        allowed = "a list or tuple of ints >= 0"
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be {allowed}, got {value!r}")
+        out = []
+        for i, token_id in enumerate(value):
+            as_int = _check_int(f"stop_token_ids[{i}]", token_id, "an int >= 0")
+            if as_int < 0:
+                raise ValueError(f"stop_token_ids[{i}] must be an int >= 0, got {token_id!r}")
+            out.append(as_int)
+        return tuple(out)
+
+    @staticmethod
+    def _normalise_stop(value: Any) -> tuple[str, ...]:
+        # A bare string is the OpenAI API's one-stop-string form; tuple("abc") would split it into characters.
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"stop must be a str or a list or tuple of non-empty str, got {value!r}")
+        for i, s in enumerate(value):
+            # An empty stop string matches at every position and would end every request at once.
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop[{i}] must be a non-empty str, got {s!r}")
+        return tuple(value)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from a plain mapping (e.g. a JSON body); missing keys take defaults, unknown keys are an error."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"SamplingParams.from_dict expects a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        # A typo such as "top-p" must not silently fall back to the default.
+        unknown = sorted(repr(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown SamplingParams field(s): {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-friendly dict (tuples become lists); from_dict(to_dict()) round-trips."""
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop"] = list(self.stop)
+        return d

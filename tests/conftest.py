@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random checkpoints written with transformers' own config classes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def make_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides):
+    """Write a tiny random Hugging Face checkpoint of `arch` into `path`; return path."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common.update(overrides)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model_cls = transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        common.setdefault("head_dim", 16)
+        config = transformers.Qwen3Config(**common)
+        model_cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    # Random init leaves biases at zero; make them matter so a mapping bug shows.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """One tiny checkpoint per supported architecture, built once per test session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: make_checkpoint(root / arch, arch) for arch in ARCHITECTURES}

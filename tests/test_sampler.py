@@ -1,0 +1,456 @@
+"""worker.sampler: exact filters, repetition penalty, seeded batch-invariance, sampling statistics, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shared.sampling_params import SamplingParams
+from worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_repetition_penalty,
+    apply_top_k_top_p_min_p,
+    make_generator,
+)
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_intra_op_thread():
+    # Every tensor here is tiny; on a loaded CI box each multi-threaded op otherwise waits milliseconds for a
+    # descheduled worker thread (seen: 12 ms per [6, 50] softmax). Restored afterwards for other test files.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_batch(params, histories=None, generators=None) -> SamplingBatch:
+    if generators is None:
+        generators = [None if p.seed is None else make_generator(p.seed, "cpu") for p in params]
+    if histories is None:
+        histories = [[] for _ in params]
+    return SamplingBatch(params=list(params), generators=list(generators), token_histories=list(histories))
+
+
+def kept(row: torch.Tensor) -> set[int]:
+    """Token ids a filter left finite."""
+    return set(torch.nonzero(torch.isfinite(row)).flatten().tolist())
+
+
+def log_probs(*probs: float) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+def filter_rows(logits, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """Run apply_top_k_top_p_min_p on a copy with per-row lists (None = filter unused by every row)."""
+    out = torch.tensor(logits, dtype=torch.float32) if not isinstance(logits, torch.Tensor) else logits.clone()
+    return apply_top_k_top_p_min_p(
+        out,
+        None if top_k is None else torch.tensor(top_k, dtype=torch.long),
+        None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
+        None if min_p is None else torch.tensor(min_p, dtype=torch.float32),
+    )
+
+
+# --------------------------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 37, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0)] * 5
+    out = Sampler(seed=0)(logits, make_batch(params))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs is None
+    # Same tokens on the non-fast path (logprobs requested).
+    out = Sampler(seed=0)(logits, make_batch([SamplingParams(temperature=0, logprobs=True)] * 5))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_temperature_behaves_like_argmax_without_nan():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)) * 30
+    out = Sampler(seed=0)(logits, make_batch([SamplingParams(temperature=1e-30)] * 3))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_consume_no_randomness():
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(2))
+    params = [
+        SamplingParams(temperature=0, seed=5, logprobs=True),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0),
+    ]
+    batch = make_batch(params, histories=[[1], [2, 3], []])
+    sampler = Sampler(seed=0)
+    seeded_state = batch.generators[0].get_state()
+    own_state = sampler._generator.get_state()
+    sampler(logits, batch)
+    assert torch.equal(batch.generators[0].get_state(), seeded_state)
+    assert torch.equal(sampler._generator.get_state(), own_state)
+
+
+def test_empty_batch():
+    out = Sampler()(torch.empty(0, 8), make_batch([]))
+    assert out.token_ids == [] and out.logprobs is None
+
+
+# --------------------------------------------------------------------------------- repetition penalty
+
+
+def test_repetition_penalty_matches_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.5, 0.0], [2.0, -1.0, 1.5, 0.5, 0.0], [2.0, -1.0, 1.5, 0.5, 0.0]])
+    histories = [[0, 1, 1, 4], [0, 1], [0, 1, 2, 3]]
+    apply_repetition_penalty(logits, histories, [2.0, 0.5, 1.0])
+    # Row 0, p = 2: 2.0 -> 1.0 (positive: divide), -1.0 -> -2.0 once despite appearing twice (negative: multiply),
+    # 0.0 stays 0.0; unseen tokens 2 and 3 untouched.
+    assert logits[0].tolist() == [1.0, -2.0, 1.5, 0.5, 0.0]
+    # Row 1, p = 0.5 encourages: 2.0 -> 4.0, -1.0 -> -0.5.
+    assert logits[1].tolist() == [4.0, -0.5, 1.5, 0.5, 0.0]
+    # Row 2, p = 1: untouched even though its history is non-empty.
+    assert logits[2].tolist() == [2.0, -1.0, 1.5, 0.5, 0.0]
+
+
+def test_repetition_penalty_changes_the_argmax():
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.5]])
+    assert logits.argmax().item() == 0
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
+    out = Sampler(seed=0)(logits, make_batch(params, histories=[[0, 1, 1]]))
+    assert out.token_ids == [2]  # 2.0 / 2 = 1.0 < 1.5
+    # Without the penalty the same history does nothing.
+    out = Sampler(seed=0)(logits, make_batch([SamplingParams(temperature=0)], histories=[[0, 1, 1]]))
+    assert out.token_ids == [0]
+
+
+def test_repetition_penalty_rejects_out_of_vocab_history():
+    with pytest.raises(ValueError, match="token id 9"):
+        apply_repetition_penalty(torch.zeros(1, 4), [[1, 9]], [1.3])
+    with pytest.raises(ValueError, match="token id -1"):
+        Sampler()(torch.zeros(1, 4), make_batch([SamplingParams(repetition_penalty=1.3)], histories=[[-1]]))
+
+
+# ------------------------------------------------------------------------------------------- top-k
+
+
+@pytest.mark.parametrize("with_top_p_path", [False, True])
+def test_top_k_keeps_exactly_the_k_largest(with_top_p_path):
+    gen = torch.Generator().manual_seed(3)
+    vocab_size = 40
+    logits = torch.stack([torch.randperm(vocab_size, generator=gen).float() for _ in range(5)])  # distinct values
+    top_k = [1, 3, 0, 40, 100]
+    # top_p all 1 forces the sort-based code path, which must agree with the partial-topk one.
+    out = filter_rows(logits, top_k=top_k, top_p=[1.0] * 5 if with_top_p_path else None)
+    for row, k in enumerate(top_k):
+        expected = set(range(vocab_size)) if k == 0 else set(logits[row].topk(min(k, vocab_size)).indices.tolist())
+        assert kept(out[row]) == expected, (row, k)
+        finite = torch.isfinite(out[row])
+        assert torch.equal(out[row][finite], logits[row][finite])  # survivors unchanged
+
+
+@pytest.mark.parametrize("with_top_p_path", [False, True])
+def test_top_k_keeps_all_ties_at_the_boundary(with_top_p_path):
+    logits = [[1.0, 3.0, 3.0, 2.0], [1.0, 3.0, 3.0, 2.0], [1.0, 3.0, 2.0, 2.0]]
+    out = filter_rows(logits, top_k=[1, 2, 2], top_p=[1.0] * 3 if with_top_p_path else None)
+    assert kept(out[0]) == {1, 2}
+    assert kept(out[1]) == {1, 2}
+    assert kept(out[2]) == {1, 2, 3}
+
+
+# ------------------------------------------------------------------------------------------- top-p
+
+
+def test_top_p_keeps_the_smallest_set_reaching_top_p():
+    # Dyadic probabilities are exact in float32, so cumulative sums hit 0.5 / 0.75 / 0.875 exactly.
+    row = log_probs(0.125, 0.5, 0.125, 0.25)  # descending order: token 1, 3, then 0 and 2 (tie: lower id first)
+    assert torch.softmax(torch.tensor(row), -1).tolist() == [0.125, 0.5, 0.125, 0.25]
+    cases = [
+        (0.1, {1}),
+        (0.5, {1}),  # boundary: token 1 alone reaches 0.5 exactly
+        (0.5000001, {1, 3}),
+        (0.6, {1, 3}),
+        (0.75, {1, 3}),  # boundary
+        (0.8, {1, 3, 0}),
+        (0.875, {1, 3, 0}),  # boundary, and the 0.125 tie goes to the lower id
+        (0.9, {0, 1, 2, 3}),
+        (1.0, {0, 1, 2, 3}),
+    ]
+    out = filter_rows([row] * len(cases), top_p=[p for p, _ in cases])
+    for (top_p, expected), out_row in zip(cases, out):
+        assert kept(out_row) == expected, top_p
+
+
+def test_top_p_one_keeps_all_even_with_negligible_tails():
+    # The float32 cumsum saturates at 1.0 after the first token; top_p = 1 must still keep everything.
+    row = [0.0] + [-100.0] * 7
+    out = filter_rows([row, row], top_p=[1.0, 0.999])
+    assert kept(out[0]) == set(range(8))
+    assert kept(out[1]) == {0}
+
+
+def test_top_p_uses_probabilities_after_top_k():
+    row = log_probs(0.4, 0.3, 0.2, 0.1)
+    # Alone, top_p = 0.5 needs tokens 0 and 1 (0.4 < 0.5). After top-k = 2 renormalises to 4/7, 3/7, token 0 suffices.
+    assert kept(filter_rows([row], top_p=[0.5])[0]) == {0, 1}
+    assert kept(filter_rows([row], top_k=[2], top_p=[0.5])[0]) == {0}
+
+
+# ------------------------------------------------------------------------------------------- min-p
+
+
+def test_min_p_keeps_tokens_with_p_at_least_min_p_times_p_max():
+    row = log_probs(0.125, 0.5, 0.25, 0.125)
+    cases = [(0.0, {0, 1, 2, 3}), (0.25, {0, 1, 2, 3}), (0.2500001, {1, 2}), (0.5, {1, 2}), (0.6, {1}), (1.0, {1})]
+    out = filter_rows([row] * len(cases), min_p=[m for m, _ in cases])
+    for (min_p, expected), out_row in zip(cases, out):
+        assert kept(out_row) == expected, min_p
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 200, generator=gen) * 3
+    min_ps = [0.0, 0.01, 0.05, 0.2, 0.5, 0.9]
+    out = filter_rows(logits, min_p=min_ps)
+    probs = torch.softmax(logits.double(), -1)
+    for row, m in enumerate(min_ps):
+        expected = set(torch.nonzero(probs[row] >= m * probs[row].max()).flatten().tolist())
+        assert kept(out[row]) == expected, m
+
+
+def test_min_p_uses_probabilities_after_top_k_and_top_p():
+    row = log_probs(0.5, 0.25, 0.125, 0.125)
+    # After top-p = 0.75 only tokens 0 and 1 remain; their ratio (and so min-p's verdict on them) is unchanged.
+    assert kept(filter_rows([row], top_p=[0.75], min_p=[0.5])[0]) == {0, 1}
+    assert kept(filter_rows([row], top_p=[0.75], min_p=[0.51])[0]) == {0}
+
+
+# --------------------------------------------------------------------------------------------- combined
+
+
+def reference_keep(row: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Plain-Python float64 statement of the documented semantics."""
+    keep = set(range(len(row)))
+    if top_k > 0:
+        kth = sorted(row, reverse=True)[min(top_k, len(row)) - 1]
+        keep = {i for i in keep if row[i] >= kth}
+
+    def probs(ids):
+        top = max(row[i] for i in ids)
+        weights = {i: math.exp(row[i] - top) for i in ids}
+        total = sum(weights.values())
+        return {i: w / total for i, w in weights.items()}
+
+    if top_p < 1.0:
+        p = probs(keep)
+        chosen, cumulative = set(), 0.0
+        for i in sorted(keep, key=lambda i: (-row[i], i)):
+            if cumulative >= top_p:
+                break
+            chosen.add(i)
+            cumulative += p[i]
+        keep = chosen
+    if min_p > 0.0:
+        p = probs(keep)
+        p_max = max(p.values())
+        keep = {i for i in keep if p[i] >= min_p * p_max}
+    return keep
+
+
+def test_combined_filters_with_different_per_row_settings():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 64, generator=gen) * 2
+    settings = [  # (top_k, top_p, min_p)
+        (0, 1.0, 0.0),  # untouched
+        (5, 1.0, 0.0),
+        (0, 0.7, 0.0),
+        (0, 1.0, 0.2),
+        (10, 0.8, 0.0),
+        (20, 0.9, 0.05),
+        (3, 0.3, 0.9),
+    ]
+    out = filter_rows(
+        logits, top_k=[s[0] for s in settings], top_p=[s[1] for s in settings], min_p=[s[2] for s in settings]
+    )
+    for row, (k, p, m) in enumerate(settings):
+        assert kept(out[row]) == reference_keep(logits[row].double().tolist(), k, p, m), (row, k, p, m)
+        finite = torch.isfinite(out[row])
+        assert torch.equal(out[row][finite], logits[row][finite])
+        # Batch-invariance of the filter: the row filtered on its own gives the identical result.
+        alone = filter_rows(logits[row : row + 1], top_k=[k], top_p=[p], min_p=[m])
+        assert torch.equal(alone[0], out[row])
+    assert torch.equal(out[0], logits[0])
+
+
+def test_filter_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="2-D"):
+        apply_top_k_top_p_min_p(torch.zeros(4), None, None, None)
+    with pytest.raises(ValueError, match="top_p must have shape"):
+        apply_top_k_top_p_min_p(torch.zeros(2, 4), None, torch.ones(3), None)
+    with pytest.raises(ValueError, match="integer"):
+        apply_top_k_top_p_min_p(torch.zeros(2, 4), torch.ones(2), None, None)
+
+
+def test_temperature_is_applied_before_top_p():
+    # p = [0.4, 0.3, 0.2, 0.1]; at T = 0.5 it becomes [0.533, 0.3, 0.133, 0.033], so top_p = 0.5 keeps token 0 only
+    # (applied before temperature it would keep tokens 0 and 1).
+    logits = torch.tensor([log_probs(0.4, 0.3, 0.2, 0.1)] * 300)
+    out = Sampler(seed=0)(logits, make_batch([SamplingParams(temperature=0.5, top_p=0.5)] * 300))
+    assert set(out.token_ids) == {0}
+
+
+# ----------------------------------------------------------------------------------------- seeded rows
+
+
+def run_steps(target: SamplingParams, position: int, num_rows: int, step_logits: torch.Tensor, noise_seed: int):
+    """Tokens chosen for the target row over len(step_logits) steps at `position` of a batch of num_rows."""
+    others = [
+        SamplingParams(seed=7),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(seed=99, top_k=5),
+        SamplingParams(min_p=0.1, repetition_penalty=1.3, top_p=0.5),
+    ]
+    params = others[: num_rows - 1]
+    params.insert(position, target)
+    batch = make_batch(params, histories=[[1, 2, 3] for _ in params])
+    sampler = Sampler(seed=noise_seed)
+    noise = torch.Generator().manual_seed(noise_seed)
+    tokens = []
+    for logits_row in step_logits:
+        logits = torch.randn(num_rows, step_logits.shape[1], generator=noise) * 2
+        logits[position] = logits_row
+        chosen = sampler(logits, batch).token_ids
+        tokens.append(chosen[position])
+        for history, token in zip(batch.token_histories, chosen):
+            history.append(token)
+    return tokens
+
+
+def test_seeded_row_is_independent_of_the_rest_of_the_batch():
+    step_logits = torch.randn(20, 50, generator=torch.Generator().manual_seed(6))
+    # Repetition penalty makes the target depend on its own history too, which must also be batch-independent.
+    target = SamplingParams(seed=1234, temperature=1.3, top_p=0.95, repetition_penalty=1.1)
+    alone = run_steps(target, 0, 1, step_logits, noise_seed=10)
+    first = run_steps(target, 0, 6, step_logits, noise_seed=11)
+    fourth = run_steps(target, 3, 6, step_logits, noise_seed=12)
+    assert alone == first == fourth
+    assert len(set(alone)) > 5  # really sampled, not argmax
+
+    other_seed = run_steps(SamplingParams(seed=1235, temperature=1.3, top_p=0.95), 3, 6, step_logits, 13)
+    assert other_seed != alone
+
+
+def test_same_seed_reproduces_and_different_seeds_differ():
+    logits = torch.zeros(1, 1000)  # uniform: any two different streams disagree almost surely
+
+    def sequence(seed: int) -> list[int]:
+        batch = make_batch([SamplingParams(seed=seed)])
+        sampler = Sampler()  # its own (random) generator must not matter for a seeded row
+        return [sampler(logits, batch).token_ids[0] for _ in range(20)]
+
+    assert sequence(1) == sequence(1)
+    assert sequence(1) != sequence(2)
+
+
+def test_make_generator_validates_seed():
+    assert make_generator(0, "cpu").initial_seed() == 0
+    for bad in (-1, 2**63, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            make_generator(bad, "cpu")  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------------------------- statistics
+
+# Pearson chi-square critical values at significance 0.001: a correct sampler exceeds them with probability
+# 0.1%, and the seeds are fixed so the test is deterministic. A 0.03 error on a 0.1 probability with 4000 draws
+# adds about 4000 * 0.03**2 / 0.1 = 36 to the statistic, far above the threshold, so real bugs are caught.
+CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27}
+
+
+def chi_square(tokens: list[int], expected_probs: dict[int, float]) -> float:
+    assert set(tokens) <= set(expected_probs), "sampled a token with probability 0"
+    n = len(tokens)
+    return sum((tokens.count(t) - n * p) ** 2 / (n * p) for t, p in expected_probs.items())
+
+
+def test_empirical_distribution_unseeded_rows():
+    probs = [0.1, 0.2, 0.3, 0.4]
+    logits = torch.tensor([log_probs(*probs)] * 4000)
+    tokens = Sampler(seed=0)(logits, make_batch([SamplingParams()] * 4000)).token_ids
+    assert chi_square(tokens, dict(enumerate(probs))) < CHI2_CRITICAL_0_001[3]
+
+
+def test_empirical_distribution_seeded_rows_and_steps():
+    probs = [0.1, 0.2, 0.3, 0.4]
+    logits = torch.tensor([log_probs(*probs)] * 2000)
+    # 2000 rows with distinct seeds in one step ...
+    params = [SamplingParams(seed=s) for s in range(2000)]
+    tokens = Sampler(seed=0)(logits, make_batch(params)).token_ids
+    assert chi_square(tokens, dict(enumerate(probs))) < CHI2_CRITICAL_0_001[3]
+    # ... and one seeded row over 1000 steps.
+    batch = make_batch([SamplingParams(seed=42)])
+    sampler = Sampler(seed=0)
+    tokens = [sampler(logits[:1], batch).token_ids[0] for _ in range(1000)]
+    assert chi_square(tokens, dict(enumerate(probs))) < CHI2_CRITICAL_0_001[3]
+
+
+def test_empirical_distribution_with_temperature_and_top_k():
+    # T = 0.5 squares the probabilities; top_k = 3 drops token 0: p ∝ [0.04, 0.09, 0.16] over tokens 1..3.
+    logits = torch.tensor([log_probs(0.1, 0.2, 0.3, 0.4)] * 4000)
+    tokens = Sampler(seed=1)(logits, make_batch([SamplingParams(temperature=0.5, top_k=3)] * 4000)).token_ids
+    expected = {1: 0.04 / 0.29, 2: 0.09 / 0.29, 3: 0.16 / 0.29}
+    assert chi_square(tokens, expected) < CHI2_CRITICAL_0_001[2]
+
+
+# -------------------------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logprobs_are_raw_log_softmax_at_chosen_tokens(dtype):
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(5, 30, generator=gen) * 3).to(dtype)
+    original = logits.clone()
+    params = [
+        SamplingParams(logprobs=True, temperature=0.7, top_k=5),
+        SamplingParams(logprobs=True, temperature=0, repetition_penalty=3.0),
+        SamplingParams(logprobs=False),
+        SamplingParams(logprobs=True, seed=3, top_p=0.5, min_p=0.1),
+        SamplingParams(logprobs=True, temperature=2.0, repetition_penalty=0.7),
+    ]
+    raw_argmax_1 = int(original[1].float().argmax())
+    histories = [[0, 1], [raw_argmax_1], [], [], [2]]
+    out = Sampler(seed=0)(logits, make_batch(params, histories=histories))
+    assert torch.equal(logits, original)  # the caller's logits are never modified
+    raw = torch.log_softmax(original.float(), dim=-1)
+    expected = raw[torch.arange(5), torch.tensor(out.token_ids)].tolist()
+    assert out.logprobs is not None
+    for row in (0, 1, 3, 4):
+        assert out.logprobs[row] == expected[row]
+    # The penalty moved row 1 off its raw argmax, and the logprob still refers to the raw distribution.
+    assert out.token_ids[1] != raw_argmax_1
+
+
+def test_no_logprobs_when_no_row_asks():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(8))
+    out = Sampler(seed=0)(logits, make_batch([SamplingParams(), SamplingParams(temperature=0), SamplingParams()]))
+    assert out.logprobs is None
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_invalid_inputs_raise_value_error():
+    sampler = Sampler()
+    two = [SamplingParams(), SamplingParams()]
+    cases = [
+        (torch.zeros(4), make_batch(two[:1]), "2-D"),
+        (torch.zeros(1, 2, 4), make_batch(two[:1]), "2-D"),
+        (torch.zeros(2, 4, dtype=torch.long), make_batch(two), "float"),
+        (torch.zeros(2, 0), make_batch(two), "V == 0"),
+        (torch.zeros(3, 4), make_batch(two), "3 rows but batch.params has 2"),
+        (torch.zeros(2, 4), SamplingBatch(two, [None], [[], []]), "batch.generators has 1"),
+        (torch.zeros(2, 4), SamplingBatch(two, [None, None], [[]]), "batch.token_histories has 1"),
+        (torch.zeros(1, 4), SamplingBatch([SamplingParams(seed=1)], [None], [[]]), "no generator"),
+        (torch.zeros(1, 4), SamplingBatch([{"temperature": 0}], [None], [[]]), "SamplingParams"),  # type: ignore
+        ([[0.0, 1.0]], make_batch(two[:1]), "torch.Tensor"),
+    ]
+    for logits, batch, message in cases:
+        with pytest.raises(ValueError, match=message):
+            sampler(logits, batch)  # type: ignore[arg-type]

@@ -1,0 +1,271 @@
+"""Paged KV-cache bookkeeping: block tables, refcounts, the free list and the hash-chained prefix cache.
+Pure Python and stdlib only: it never touches tensors or runs copies, it only says which block ids to use."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+# Parent hash of a request's first block, so every chain starts from the same root.
+_ROOT_HASH = b""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained content hash of one full block; stable across processes and machines (unlike hash())."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash)
+    # Fixed little-endian width, so the bytes do not depend on the host.
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+@dataclass
+class _Request:
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # token slots covered by block_ids
+    # Progress of cache_blocks, so each call only hashes blocks it has not seen.
+    num_hashed_blocks: int = 0
+    last_hash: bytes = _ROOT_HASH
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+        self._free_block_ids: deque[int] = deque(range(num_blocks))  # FIFO: deterministic
+        # Unreferenced blocks that still hold a cache entry; first = least recently freed.
+        self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
+        self._ref_counts = [0] * num_blocks
+        self._hash_to_block_id: dict[bytes, int] = {}
+        self._block_id_to_hash: dict[int, bytes] = {}
+        self._requests: dict[str, _Request] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ---- pool state -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_block_ids) + len(self._evictable_block_ids)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    # ---- per-request queries ----------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table; KeyError if unknown."""
+        return list(self._requests[request_id].block_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        req = self._requests.get(request_id)
+        return req.num_tokens if req is not None else 0
+
+    def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Blocks allocate_slots(request_id, num_tokens) would take from the pool (0 if it would shrink)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return _cdiv(max(num_tokens, 0), self.block_size)
+        num_extra = max(_cdiv(num_tokens, self.block_size) - len(req.block_ids), 0)
+        return num_extra + int(self._needs_copy_on_write(req, num_tokens))
+
+    def _needs_copy_on_write(self, req: _Request, num_tokens: int) -> bool:
+        # Only a forked, partially filled last block can be shared and still receive writes:
+        # prefix-cache hits are always full blocks, which are never written again.
+        return (
+            num_tokens > req.num_tokens
+            and req.num_tokens % self.block_size != 0
+            and self._ref_counts[req.block_ids[-1]] > 1
+        )
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def allocate_prefix(self, request_id: str, token_ids: Sequence[int], max_cached_tokens: int) -> int:
+        """Start a request's table from prefix-cache hits; returns the number of tokens covered."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already has a block table")
+        req = self._requests[request_id] = _Request()
+        if not self.enable_prefix_caching:
+            return 0
+
+        num_query_blocks = min(len(token_ids), max(max_cached_tokens, 0)) // self.block_size
+        self.num_prefix_query_tokens += num_query_blocks * self.block_size
+        for i in range(num_query_blocks):
+            start = i * self.block_size
+            block_hash = hash_block(req.last_hash, token_ids[start:start + self.block_size])
+            block_id = self._hash_to_block_id.get(block_hash)
+            if block_id is None:
+                break
+            if self._ref_counts[block_id] == 0:
+                del self._evictable_block_ids[block_id]
+            self._ref_counts[block_id] += 1
+            req.block_ids.append(block_id)
+            req.num_hashed_blocks += 1
+            req.last_hash = block_hash
+
+        req.num_tokens = len(req.block_ids) * self.block_size
+        self.num_prefix_hit_tokens += req.num_tokens
+        return req.num_tokens
+
+    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the table to cover num_tokens slots; all or nothing, False if the pool is short."""
+        req = self._requests.get(request_id)
+        current = req.num_tokens if req is not None else 0
+        if num_tokens < current:
+            raise ValueError(f"request {request_id!r} holds {current} slots, cannot shrink to {num_tokens}")
+        if self.num_new_blocks_needed(request_id, num_tokens) > self.num_free_blocks:
+            return False
+        if req is None:
+            req = self._requests[request_id] = _Request()
+
+        if self._needs_copy_on_write(req, num_tokens):
+            src = req.block_ids[-1]
+            dst = self._take_block()
+            self._ref_counts[src] -= 1  # still > 0: the other holder keeps it
+            req.block_ids[-1] = dst
+            self._pending_copies.append((src, dst))
+        while len(req.block_ids) < _cdiv(num_tokens, self.block_size):
+            req.block_ids.append(self._take_block())
+        req.num_tokens = num_tokens
+        return True
+
+    def _take_block(self) -> int:
+        # Callers have checked num_free_blocks, so one of the two sources is non-empty.
+        if self._free_block_ids:
+            block_id = self._free_block_ids.popleft()
+        else:
+            block_id, _ = self._evictable_block_ids.popitem(last=False)
+            self._drop_hash(block_id)
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _drop_hash(self, block_id: int) -> None:
+        del self._hash_to_block_id[self._block_id_to_hash.pop(block_id)]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write (src, dst) pairs; the runner must copy them before the next forward."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ---- prefix cache -----------------------------------------------------------------------
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register every full block within the first num_computed_tokens tokens in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        req = self._requests[request_id]
+        if num_computed_tokens > req.num_tokens or num_computed_tokens > len(token_ids):
+            raise ValueError(
+                f"request {request_id!r}: {num_computed_tokens} computed tokens exceed its "
+                f"{req.num_tokens} slots or {len(token_ids)} known tokens"
+            )
+        for i in range(req.num_hashed_blocks, num_computed_tokens // self.block_size):
+            start = i * self.block_size
+            block_hash = hash_block(req.last_hash, token_ids[start:start + self.block_size])
+            block_id = req.block_ids[i]
+            # Register only if neither side is taken: a block from a cache hit (or a fork sibling)
+            # already carries this hash, and a duplicate of another block's content stays
+            # unregistered so the map remains one-to-one.
+            if block_hash not in self._hash_to_block_id and block_id not in self._block_id_to_hash:
+                self._hash_to_block_id[block_hash] = block_id
+                self._block_id_to_hash[block_id] = block_hash
+            req.num_hashed_blocks = i + 1
+            req.last_hash = block_hash
+
+    # ---- release ----------------------------------------------------------------------------
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; writes into a shared tail go copy-on-write."""
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"unknown parent request {parent_id!r}")
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} already has a block table")
+        for block_id in parent.block_ids:
+            self._ref_counts[block_id] += 1
+        self._requests[child_id] = _Request(
+            list(parent.block_ids), parent.num_tokens, parent.num_hashed_blocks, parent.last_hash
+        )
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks and forget it; unknown ids are a no-op."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        # Reverse order: a chain's tail enters the LRU first and so is evicted before its head,
+        # which keeps the surviving cached prefix usable.
+        for block_id in reversed(req.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] > 0:
+                continue
+            if block_id in self._block_id_to_hash:
+                self._evictable_block_ids[block_id] = None
+            else:
+                self._free_block_ids.append(block_id)
+
+    def evict(self, max_blocks: int | None = None) -> int:
+        """Move up to max_blocks (all if None) unreferenced cached blocks, LRU first, to the free list."""
+        num_evicted = 0
+        while self._evictable_block_ids and (max_blocks is None or num_evicted < max_blocks):
+            block_id, _ = self._evictable_block_ids.popitem(last=False)
+            self._drop_hash(block_id)
+            self._free_block_ids.append(block_id)
+            num_evicted += 1
+        return num_evicted
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block (statistics are kept); returns how many."""
+        return self.evict()
+
+    # ---- debugging --------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the pool, refcounts, tables and cache maps agree."""
+        free_ids, evictable_ids = list(self._free_block_ids), list(self._evictable_block_ids)
+        assert len(free_ids) == len(set(free_ids)), f"free list holds duplicates: {free_ids}"
+        holders = [0] * self.num_blocks
+        for request_id, req in self._requests.items():
+            assert len(req.block_ids) == len(set(req.block_ids)), (
+                f"request {request_id!r} holds a block twice: {req.block_ids}")
+            assert len(req.block_ids) == _cdiv(req.num_tokens, self.block_size), (
+                f"request {request_id!r}: {len(req.block_ids)} blocks for {req.num_tokens} tokens")
+            assert req.num_hashed_blocks <= req.num_tokens // self.block_size, (
+                f"request {request_id!r} hashed {req.num_hashed_blocks} blocks past its full ones")
+            for block_id in req.block_ids:
+                holders[block_id] += 1
+        assert holders == self._ref_counts, f"refcounts {self._ref_counts} != table holders {holders}"
+
+        referenced = {b for b in range(self.num_blocks) if holders[b] > 0}
+        free, evictable = set(free_ids), set(evictable_ids)
+        assert not (free & evictable), f"blocks both free and evictable: {sorted(free & evictable)}"
+        assert not (free & referenced), f"blocks both free and referenced: {sorted(free & referenced)}"
+        assert not (evictable & referenced), f"evictable blocks are referenced: {sorted(evictable & referenced)}"
+        assert len(free) + len(evictable) + len(referenced) == self.num_blocks, (
+            f"{len(free)} free + {len(evictable)} evictable + {len(referenced)} referenced "
+            f"!= {self.num_blocks} blocks")
+
+        assert len(self._hash_to_block_id) == len(self._block_id_to_hash) and all(
+            self._block_id_to_hash.get(b) == h for h, b in self._hash_to_block_id.items()
+        ), "hash->block and block->hash maps are not mutual inverses"
+        assert all(b in self._block_id_to_hash for b in evictable), "an evictable block has no hash"
+        assert not (free & self._block_id_to_hash.keys()), "a block on the free list still has a hash"

@@ -1,0 +1,260 @@
+"""The engine: schedule -> execute -> update -> emit, usable in-process with no sockets.
+
+`Engine.from_model_dir` builds model, KV pool, block manager, scheduler and runner from
+a local Hugging Face folder; `add_request` / `abort` / `step` drive it one iteration at a
+time (what the worker process wraps), and `generate` runs a whole batch offline.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from shared.sampling_params import SamplingParams
+from worker.block_manager import BlockManager
+from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budget,
+                             num_blocks_from_free_cuda_memory)
+from worker.model.attention import paged_attention, paged_attention_reference
+from worker.model.weights import load_model, resolve_dtype
+from worker.model_runner import ModelRunner, SequenceStep
+from worker.request import Request, RequestStatus
+from worker.sampler import Sampler, make_generator
+from worker.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejectedError", "SamplingParams"]
+
+log = logging.getLogger(__name__)
+_ATTENTION = {"fast": paged_attention, "reference": paged_attention_reference}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's half type on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; else sized from memory
+    kv_cache_bytes: int = 1 << 30  # CPU: the pool's byte budget
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_prefill_chunk_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    attention: str = "fast"  # "fast" or "reference"
+    seed: int | None = None  # for requests without a seed of their own
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"attention must be one of {sorted(_ATTENTION)}, got {self.attention!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]  # every generated token so far
+    new_token_ids: list[int]  # generated in this step
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", "error" once finished
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig()):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                              else "cpu" if config.device == "auto" else config.device)
+        self.model_dir = Path(model_dir)
+        from worker.model.config import ModelConfig  # cheap; read before loading to size tables
+        model_config = ModelConfig.from_model_dir(self.model_dir)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_config.max_position_embeddings}")
+        self.max_model_len = max_model_len
+        self.model = load_model(self.model_dir, device, config.dtype, max_positions=max_model_len)
+        self.model_config = self.model.config
+        self.device = device
+        dtype = resolve_dtype(config.dtype, device, model_config)
+        self.sampler = Sampler(device, seed=config.seed)
+        num_blocks = self._num_kv_blocks(dtype, max_model_len)
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype, device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
+        ), self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.max_num_batched_tokens,
+                                  config.max_num_seqs, max_model_len, self.sampler, _ATTENTION[config.attention])
+        self._generators: dict[str, torch.Generator] = {}
+        self._aborted: list[Request] = []
+        self._ids = itertools.count()
+        log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
+                 config.block_size)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, **overrides) -> "Engine":
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown}; known: {sorted(names)}")
+        return cls(model_dir, EngineConfig(**overrides))
+
+    def _num_kv_blocks(self, dtype: torch.dtype, max_model_len: int) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if self.device.type == "cuda":
+            probe = ModelRunner(self.model, [], config.block_size, config.max_num_batched_tokens,
+                                config.max_num_seqs, max_model_len, self.sampler)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            probe.profile_peak_memory()
+            torch.cuda.synchronize(self.device)
+            del probe
+            return num_blocks_from_free_cuda_memory(self.model_config, config.block_size, dtype, self.device,
+                                                    config.gpu_memory_utilization)
+        return num_blocks_for_budget(self.model_config, config.block_size, dtype, config.kv_cache_bytes)
+
+    # ---- the per-step API -------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request. Raises RequestRejectedError (a ValueError) for one that can never run."""
+        params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
+        prompt = list(prompt_token_ids)
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestRejectedError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        request = Request(request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
+                          eos_token_ids=self.model_config.eos_token_ids)
+        self.scheduler.add(request)
+        if params.seed is not None:
+            self._generators[request_id] = make_generator(params.seed, self.device)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in any state now, freeing its blocks. Unknown ids are a no-op."""
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._generators.pop(request_id, None)
+            self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns an output for each request that advanced or ended."""
+        outputs = [_output(r, []) for r in self._aborted]
+        self._aborted.clear()
+        schedule = self.scheduler.schedule()
+        if not schedule.scheduled:
+            return outputs
+        copy_blocks(self.kv_caches, self.block_manager.take_block_copies())
+        seqs = []
+        for item in schedule.scheduled:
+            r = item.request
+            start = r.num_computed_tokens
+            seqs.append(SequenceStep(
+                new_token_ids=r.token_ids[start:start + item.num_new_tokens],
+                context_len=start,
+                block_table=self.block_manager.block_table(r.request_id),
+                needs_sample=start + item.num_new_tokens == r.num_tokens,
+                params=r.params,
+                generator=self._generators.get(r.request_id),
+                token_history=r.token_ids,
+            ))
+        results = self.runner.execute(seqs)
+        for item, result in zip(schedule.scheduled, results):
+            outputs.extend(self._update(item.request, item.num_new_tokens, result))
+        return outputs
+
+    def _update(self, request: Request, num_new_tokens: int, result) -> list[RequestOutput]:
+        request.num_computed_tokens += num_new_tokens
+        self.block_manager.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        if result is None:
+            return []
+        token_id, logprob = result
+        request.append_token(token_id, logprob if request.params.logprobs else None)
+        status = request.stop_status()
+        if status is not None:
+            self.scheduler.finish(request, status)
+            self._generators.pop(request.request_id, None)
+        return [_output(request, [token_id])]
+
+    # ---- offline batch API --------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; one final output per prompt, in order."""
+        params = params or SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, per_prompt):
+                self.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.abort(request_id)
+            self._aborted.clear()
+            raise
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+    # ---- introspection --------------------------------------------------------------------
+    def kv_usage(self) -> tuple[int, int]:
+        """(token slots holding live K/V, token slots in blocks held by requests)."""
+        live = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return live, self.block_manager.num_used_blocks * self.block_manager.block_size
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+        for r in self.scheduler.running:
+            assert r.status == RequestStatus.RUNNING, r
+            assert self.block_manager.has_request(r.request_id), f"running {r.request_id} holds no blocks"
+        for r in self.scheduler.waiting:
+            assert not self.block_manager.has_request(r.request_id), f"waiting {r.request_id} holds blocks"
+
+
+def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        token_ids=list(request.output_token_ids),
+        new_token_ids=new_token_ids,
+        finished=request.is_finished,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+        logprobs=list(request.output_logprobs),
+        error=request.error,
+    )

@@ -1,0 +1,141 @@
+"""Paged attention: write new K/V into the block pool, attend through block tables.
+
+Two implementations behind one signature: `paged_attention_reference`, a plain per-sequence
+loop that tests trust, and `paged_attention`, the batched fast path the engine runs.
+Knows nothing of requests or schedulers: everything arrives in AttentionMetadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's packed tokens live. Built once per step by the model runner.
+
+    Sequences are ordered decodes first: the first `num_decodes` sequences bring exactly
+    one new token each; the rest bring a chunk of prompt (or of recomputed tokens).
+    Token t of sequence b with `query_lens[b]` new tokens sits at position
+    `seq_lens[b] - query_lens[b] + i` and its K/V goes to flat slot `slot_mapping[t]`
+    = block_id * S + offset.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0 (masked out)
+    seq_lens: torch.Tensor  # [B] int64: context length after this step (cached + new)
+    query_lens: list[int]  # [B] new tokens per sequence
+    context_lens: list[int]  # [B] tokens already in the cache before this step
+    num_decodes: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # k_cache [N, S, Hkv, D] viewed as [N*S, Hkv, D]; k [T, Hkv, D].
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    # cache [N, S, Hkv, D] -> the first `length` tokens of one sequence, [L, Hkv, D].
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[:num_blocks])  # [n, S, Hkv, D]
+    return blocks.flatten(0, 1)[:length]
+
+
+def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]. Slow, obvious, float32; reads all K/V (this step's
+    included, already written) through the block tables, so `k` and `v` go unused."""
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens.tolist())):
+        qb = q[start:start + q_len].float()  # [q, H, D]
+        kb = _gather_context(k_cache, meta.block_tables[b], seq_len).float()  # [L, Hkv, D]
+        vb = _gather_context(v_cache, meta.block_tables[b], seq_len).float()
+        group = num_heads // kb.shape[1]
+        kb = kb.repeat_interleave(group, dim=1)  # [L, H, D]
+        vb = vb.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,lhd->hql", qb, kb) * scale  # [H, q, L]
+        # Query i sits at position seq_len - q_len + i and sees keys at positions <= it.
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[start:start + q_len] = torch.einsum("hql,lhd->qhd", probs, vb).to(q.dtype)
+        start += q_len
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Fast path, same result as the reference. q [T, H, D]; k, v [T, Hkv, D] (this step's).
+
+    Decodes run as one batched SDPA over K/V gathered from their blocks, with the query
+    heads of one KV head laid out as SDPA's query axis so grouped-query attention needs
+    no K/V copy per head. A prompt chunk with nothing cached attends to its own fresh
+    K/V (causal, no gather); a chunk after cached context gathers its context.
+    """
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decodes
+    if num_decodes:
+        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache,
+                                              meta.block_tables[:num_decodes],
+                                              meta.seq_lens[:num_decodes], scale)
+    start = num_decodes
+    for b in range(num_decodes, meta.num_seqs):
+        q_len, ctx_len = meta.query_lens[b], meta.context_lens[b]
+        end = start + q_len
+        if ctx_len == 0:
+            kb, vb = k[start:end], v[start:end]
+        else:
+            seq_len = ctx_len + q_len
+            kb = _gather_context(k_cache, meta.block_tables[b], seq_len)
+            vb = _gather_context(v_cache, meta.block_tables[b], seq_len)
+        out[start:end] = _prefill_attention(q[start:end], kb, vb, ctx_len, scale)
+        start = end
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    # q [B, H, D]; one new token per sequence, already written to the cache.
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    tables = block_tables[:, :max_blocks]
+    # [B, n, S, Hkv, D] -> [B, Hkv, L, D] with L = n * S (padding masked below)
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    length = keys.shape[2]
+    mask = torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+    queries = q.view(num_seqs, num_kv_heads, group, head_dim)  # heads of one KV head share its K/V
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
+                       scale: float) -> torch.Tensor:
+    # q [q, H, D]; k, v [ctx + q, Hkv, D] -> [q, H, D]
+    group = q.shape[1] // k.shape[1]
+    queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    keys = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)  # [1, H, L, D]
+    values = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    if ctx_len == 0:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    else:
+        q_len, seq_len = q.shape[0], k.shape[0]
+        q_pos = torch.arange(ctx_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=k_pos <= q_pos, scale=scale)
+    return out.squeeze(0).transpose(0, 1)

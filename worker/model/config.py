@@ -1,0 +1,178 @@
+"""ModelConfig: the transformer's shape, read from a Hugging Face `config.json`.
+
+Owns the decision of what we support. Anything we would silently get wrong (sliding
+window, mixture of experts, unknown RoPE scaling, other activations) is refused here,
+at load, with an error that names the feature.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+# Hugging Face architecture name -> our family name.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or feature this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: str | None  # the checkpoint's torch dtype name, if it says
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, hf: dict) -> "ModelConfig":
+        family = _family(hf)
+        _refuse_unsupported(hf)
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            family=family,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=_rope(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and never o bias; Llama/Qwen3 follow attention_bias.
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            eos_token_ids=_as_ids(hf.get("eos_token_id")),
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+
+def _family(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        unknown = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            raise UnsupportedModelError(
+                f"unsupported architecture {unknown[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        return SUPPORTED_ARCHITECTURES[archs[0]]
+    model_type = hf.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r}; supported: {sorted(_MODEL_TYPES)}")
+    return _MODEL_TYPES[model_type]
+
+
+def _refuse_unsupported(hf: dict) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is implemented")
+    for key in _MOE_KEYS:
+        if hf.get(key):
+            raise UnsupportedModelError(f"mixture of experts ({key}={hf[key]}) is not supported")
+    # Mistral sets sliding_window directly; Qwen2/3 carry a value but gate it by use_sliding_window.
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", hf.get("model_type") == "mistral")
+    if window is not None and uses_window and window < hf.get("max_position_embeddings", math.inf):
+        raise UnsupportedModelError(f"sliding window attention (sliding_window={window}) is not supported")
+    layer_types = hf.get("layer_types") or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd:
+        raise UnsupportedModelError(f"layer types {odd} are not supported; only full_attention")
+    if int(hf.get("pretraining_tp", 1)) != 1:
+        raise UnsupportedModelError(f"pretraining_tp={hf['pretraining_tp']} is not supported")
+
+
+def _rope(hf: dict) -> RopeConfig:
+    # transformers >= 5 writes rope_parameters; older checkpoints use rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

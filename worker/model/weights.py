@@ -1,0 +1,123 @@
+"""Build a Transformer from a local Hugging Face folder: config, then safetensors weights.
+
+Maps Hugging Face parameter names to ours, fusing q/k/v and gate/up. Reads files with
+memory-mapped safetensors; never downloads, never uses transformers' modelling code.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.model.config import ModelConfig
+from worker.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+# Checkpoint entries that carry nothing we need (older Llama exports store RoPE tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Our fused parameter -> the checkpoint's parts, concatenated along the output dim.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def resolve_dtype(requested: str | torch.dtype | None, device: torch.device, config: ModelConfig) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are slow there); on CUDA the checkpoint's half type, else bfloat16."""
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested not in (None, "auto"):
+        dtype = getattr(torch, str(requested), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"unsupported dtype {requested!r}; use float32, bfloat16 or float16")
+        return dtype
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if config.dtype == "float16" else torch.bfloat16
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {model_dir} "
+        "(only safetensors checkpoints are supported)")
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=None,
+               max_positions: int | None = None) -> Transformer:
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    config = ModelConfig.from_model_dir(model_dir)
+    dtype = resolve_dtype(dtype, device, config)
+    started = time.perf_counter()
+    # Build on the meta device so no memory is spent on a random init we overwrite.
+    with torch.device("meta"):
+        model = Transformer(config, max_positions).to(dtype)
+    model.to_empty(device=device)
+    model.rotary.build_table(device)  # cos/sin stay float32 whatever the model dtype
+    _load_weights(model, checkpoint_files(model_dir), dtype)
+    model.eval().requires_grad_(False)
+    log.info("loaded %s (%s) in %.2f s", model_dir, dtype, time.perf_counter() - started)
+    return model
+
+
+def _our_name(hf_name: str) -> tuple[str, int | None]:
+    """HF name -> (our parameter name, index of the part within a fused parameter or None)."""
+    name = hf_name.removeprefix("model.")
+    for fused, parts in _FUSED.items():
+        for i, part in enumerate(parts):
+            if f".{part}." in name:
+                return name.replace(part, fused), i
+    return name, None
+
+
+def _load_weights(model: Transformer, files: list[Path], dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    pending: dict[str, dict[int, torch.Tensor]] = {}  # fused parts until all have arrived
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    tied = model.config.tie_word_embeddings
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                name, part = _our_name(hf_name)
+                if name not in params:
+                    unexpected.append(hf_name)
+                    continue
+                tensor = f.get_tensor(hf_name)
+                if part is None:
+                    _copy(params[name], tensor, hf_name)
+                    loaded.add(name)
+                    continue
+                parts = pending.setdefault(name, {})
+                parts[part] = tensor
+                num_parts = len(next(p for fused, p in _FUSED.items() if fused in name))
+                if len(parts) == num_parts:
+                    _copy(params[name], torch.cat([parts[i] for i in range(num_parts)], dim=0), hf_name)
+                    loaded.add(name)
+                    del pending[name]
+    if unexpected:
+        raise ValueError(f"checkpoint has weights this model does not expect: {sorted(unexpected)[:8]}")
+    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+
+
+def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, hf_name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

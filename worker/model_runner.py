@@ -1,0 +1,163 @@
+"""Runs one step on the device: packs the scheduled sequences into preallocated buffers,
+runs the transformer on its own CUDA stream (when on CUDA), and samples.
+
+Owns the tensors of a step; knows nothing of scheduling policy or sockets.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shared.sampling_params import SamplingParams
+from worker.kv_cache import KVCache
+from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.transformer import Transformer
+from worker.sampler import Sampler, SamplingBatch
+
+
+@dataclass
+class SequenceStep:
+    """One sequence's share of a step, as the runner needs it."""
+
+    new_token_ids: Sequence[int]  # the tokens computed this step
+    context_len: int  # tokens already in the cache
+    block_table: list[int]
+    needs_sample: bool  # this step reaches the sequence's last known token
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_history: Sequence[int]  # prompt + output, for repetition penalty
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, kv_caches: list[KVCache], block_size: int,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 sampler: Sampler, attention_fn=paged_attention):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.attention_fn = attention_fn
+        self.device = next(model.parameters()).device
+        self.max_num_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # Preallocated for the largest possible step, so a step allocates no buffers of
+        # its own and memory does not creep. On CUDA, inputs are staged in pinned host
+        # memory and copied asynchronously on the runner's stream.
+        is_cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if is_cuda else None
+        int64 = dict(dtype=torch.int64)
+        self._host = {
+            "input_ids": torch.zeros(self.max_num_tokens, **int64, pin_memory=is_cuda),
+            "positions": torch.zeros(self.max_num_tokens, **int64, pin_memory=is_cuda),
+            "slot_mapping": torch.zeros(self.max_num_tokens, **int64, pin_memory=is_cuda),
+            "seq_lens": torch.zeros(max_num_seqs, **int64, pin_memory=is_cuda),
+            "logits_indices": torch.zeros(max_num_seqs, **int64, pin_memory=is_cuda),
+            "block_tables": torch.zeros(max_num_seqs, self.max_blocks_per_seq, **int64, pin_memory=is_cuda),
+        }
+        self._device = ({name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
+                        if is_cuda else self._host)
+        self.logits = torch.zeros(max_num_seqs, model.config.vocab_size,
+                                  dtype=next(model.parameters()).dtype, device=self.device)
+
+    def execute(self, seqs: list[SequenceStep]) -> list[tuple[int, float | None] | None]:
+        """Run one step; per sequence (in input order) its sampled (token, logprob), or
+        None for a prompt chunk that does not reach the end of what is known."""
+        if not seqs:
+            return []
+        if len(seqs) > self.max_num_seqs:
+            raise ValueError(f"step has {len(seqs)} sequences, more than max_num_seqs={self.max_num_seqs}")
+        # Decodes first: the attention fast path batches them (see AttentionMetadata).
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].new_token_ids) != 1)
+        stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), stream_ctx:
+            input_ids, positions, meta, logits_indices, sampled = self._prepare([seqs[i] for i in order])
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)  # [T, hidden]
+            if not sampled:
+                return [None] * len(seqs)
+            logits = self.logits[:len(sampled)]
+            torch.mm(hidden.index_select(0, logits_indices), self.model.lm_head.weight.t(), out=logits)  # [B, V]
+            batch = SamplingBatch(params=[seqs[order[j]].params for j in sampled],
+                                  generators=[seqs[order[j]].generator for j in sampled],
+                                  token_histories=[seqs[order[j]].token_history for j in sampled])
+            result = self.sampler(logits, batch)
+        results: list[tuple[int, float | None] | None] = [None] * len(seqs)
+        for row, j in enumerate(sampled):
+            logprob = result.logprobs[row] if result.logprobs is not None else None
+            results[order[j]] = (result.token_ids[row], logprob)
+        return results
+
+    def _prepare(self, seqs: list[SequenceStep]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, context_lens, seq_lens, logits_indices, sampled = [], [], [], [], []
+        size = self.block_size
+        for j, seq in enumerate(seqs):
+            q_len, ctx = len(seq.new_token_ids), seq.context_len
+            input_ids.extend(seq.new_token_ids)
+            span = range(ctx, ctx + q_len)
+            positions.extend(span)
+            table = seq.block_table
+            # Flat slot of position p: its block's id * S + its offset in the block.
+            slots.extend(table[p // size] * size + p % size for p in span)
+            query_lens.append(q_len)
+            context_lens.append(ctx)
+            seq_lens.append(ctx + q_len)
+            if seq.needs_sample:
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(j)
+        num_tokens, num_seqs = len(input_ids), len(seqs)
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"step has {num_tokens} tokens, more than max_num_batched_tokens={self.max_num_tokens}")
+        width = max(-(-n // size) for n in seq_lens)
+        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        host = self._host
+        host["input_ids"][:num_tokens] = torch.tensor(input_ids)
+        host["positions"][:num_tokens] = torch.tensor(positions)
+        host["slot_mapping"][:num_tokens] = torch.tensor(slots)
+        host["seq_lens"][:num_seqs] = torch.tensor(seq_lens)
+        host["logits_indices"][:len(sampled)] = torch.tensor(logits_indices, dtype=torch.int64)
+        host["block_tables"][:num_seqs, :width] = torch.tensor(tables)
+        dev = self._device
+        if dev is not host:
+            for name in ("input_ids", "positions", "slot_mapping"):
+                dev[name][:num_tokens].copy_(host[name][:num_tokens], non_blocking=True)
+            dev["seq_lens"][:num_seqs].copy_(host["seq_lens"][:num_seqs], non_blocking=True)
+            dev["logits_indices"][:len(sampled)].copy_(host["logits_indices"][:len(sampled)], non_blocking=True)
+            dev["block_tables"][:num_seqs, :width].copy_(host["block_tables"][:num_seqs, :width], non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=dev["slot_mapping"][:num_tokens],
+            block_tables=dev["block_tables"][:num_seqs, :width],
+            seq_lens=dev["seq_lens"][:num_seqs],
+            query_lens=query_lens,
+            context_lens=context_lens,
+            num_decodes=sum(1 for q in query_lens if q == 1),
+        )
+        return (dev["input_ids"][:num_tokens], dev["positions"][:num_tokens], meta,
+                dev["logits_indices"][:len(sampled)], sampled)
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int | None = None) -> None:
+        """One forward of the largest step (a fresh prompt) into a throwaway cache, so the
+        allocator's peak shows what activations cost before the KV pool is sized."""
+        num_tokens = num_tokens or self.max_num_tokens
+        config = self.model.config
+        num_blocks = -(-num_tokens // self.block_size)
+        dtype = self.logits.dtype
+        shape = (num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
+        scratch = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                    torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(config.num_layers)]
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(num_blocks, device=self.device).unsqueeze(0),
+            seq_lens=torch.tensor([num_tokens], device=self.device),
+            query_lens=[num_tokens], context_lens=[0], num_decodes=0)
+        hidden = self.model(ids, positions, scratch, meta, self.attention_fn)
+        self.model.lm_head(hidden[-self.max_num_seqs:])
+        del scratch, hidden

@@ -1,0 +1,102 @@
+"""The worker's mutable Request and its status enum. Pure Python: no torch.
+
+Only the scheduler changes a request's status; the engine appends sampled tokens.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    # Ordered: every terminal status sorts after every live one.
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower is served first
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_s: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # tie-break in arrival order; assigned by the scheduler
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    num_cached_tokens: int = 0  # of the prompt, served by the prefix cache at first schedule
+    num_preemptions: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        # prompt + output, kept as one list so a step never concatenates.
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Serve order: priority first, then arrival. Preemption victims come from the far end."""
+        return (self.priority, self.arrival_seq)
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def stop_status(self) -> RequestStatus | None:
+        """The terminal status the last appended token calls for, if any."""
+        last = self.output_token_ids[-1]
+        if last in self.params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

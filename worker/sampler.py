@@ -1,0 +1,282 @@
+"""Turns one step's logits [B, V] into next tokens for a batch of requests with different SamplingParams.
+Owns logits processing and randomness only: it never schedules, never detokenizes, never checks stop conditions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shared.sampling_params import MAX_SEED, SamplingParams
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingBatch",
+    "apply_repetition_penalty",
+    "apply_top_k_top_p_min_p",
+    "make_generator",
+]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator the engine keeps for one seeded request, for the request's whole life.
+
+    Only that request draws from it, which is what makes its tokens independent of the rest of the batch."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingBatch:
+    """One row per request in the step, in the order of the logits rows."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]  # the request's own generator if it has a seed, else None
+    token_histories: list[Sequence[int]]  # prompt + generated ids so far; read only when repetition_penalty != 1
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: log-prob of the chosen token under the RAW distribution (log_softmax of the unprocessed logits).
+    # None when no row asked; when some row asked, every row gets a value.
+    logprobs: list[float] | None
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Set the logits of tokens removed by top-k, then top-p, then min-p to -inf, IN PLACE; returns `logits`.
+
+    logits [B, V] float (already temperature-scaled). Each of top_k [B] int (0 = off), top_p [B] float (1 = off),
+    min_p [B] float (0 = off) may be None, meaning no row uses that filter: its work is skipped entirely (the
+    Sampler decides this from the Python params, so the common case costs no device sync). Rows with a filter
+    off are left untouched by it.
+    - top-k keeps every token whose logit is >= the k-th largest logit of the row: ties AT the boundary are all
+      kept (HF's rule), so the kept set never depends on sort order. k >= V keeps everything.
+    - top-p keeps the smallest set of most probable tokens whose cumulative probability reaches top_p (at least
+      one token), with probabilities taken after top-k. Among equal probabilities, lower token ids come first.
+    - min-p keeps tokens with p >= min_p * max(p), p being the softmax after top-k and top-p.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a 2-D float tensor [B, V], got shape {tuple(logits.shape)} {logits.dtype}")
+    num_rows, vocab_size = logits.shape
+    for name, t in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if t is not None and tuple(t.shape) != (num_rows,):
+            raise ValueError(f"{name} must have shape [{num_rows}] (one value per row), got {tuple(t.shape)}")
+    if top_k is not None and top_k.is_floating_point():
+        raise ValueError(f"top_k must be an integer tensor, got {top_k.dtype}")
+
+    neg_inf = float("-inf")
+    if top_p is not None:
+        # Top-p needs the full descending order anyway, so top-k is done on the same sorted copy.
+        # stable=True: equal logits keep ascending token-id order, so top-p ties resolve deterministically.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [B, V], [B, V]
+        if top_k is not None:
+            _mask_below_kth(sorted_logits, sorted_logits, top_k)
+        probs = torch.softmax(sorted_logits.float(), dim=-1)  # [B, V]
+        cumulative = probs.cumsum(dim=-1)  # [B, V]
+        # Token i is removed when the tokens before it already reach top_p; column 0 is always kept.
+        remove = torch.zeros_like(cumulative, dtype=torch.bool)  # [B, V]
+        remove[:, 1:] = cumulative[:, :-1] >= top_p.to(cumulative.dtype).unsqueeze(1)
+        # top_p == 1 must keep everything, even where float cumsum rounds up to 1 before the last token.
+        remove &= (top_p < 1).unsqueeze(1)
+        sorted_logits.masked_fill_(remove, neg_inf)
+        # Sorted values are original values or -inf, so scattering them back is exact.
+        logits.scatter_(1, order, sorted_logits)
+    elif top_k is not None:
+        # No top-p: a partial top-k over the largest requested k is enough to find each row's threshold.
+        max_k = min(int(top_k.max().item()), vocab_size)
+        if max_k > 0:
+            top_values = torch.topk(logits, max_k, dim=-1, sorted=True).values  # [B, max_k]
+            _mask_below_kth(logits, top_values, top_k)
+
+    if min_p is not None:
+        # Computed in the original order (not on the sorted copy) so the result does not depend on which other
+        # filters the batch happens to use.
+        probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
+        threshold = min_p.to(probs.dtype).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        logits.masked_fill_(probs < threshold, neg_inf)
+    return logits
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    token_histories: Sequence[Sequence[int]],
+    penalties: Sequence[float],
+    rows: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """HF/CTRL repetition penalty, IN PLACE on logits [B, V]; returns `logits`.
+
+    For each distinct token id in row b's history, logit l becomes l / p if l > 0 else l * p (p = penalties[b]),
+    so a penalty > 1 always makes a seen token less likely. Rows with p == 1 are untouched and their history is
+    not read; `rows`, when given, lists the rows with p != 1 so the caller's scan is not repeated."""
+    num_rows, vocab_size = logits.shape
+    if len(token_histories) != num_rows or len(penalties) != num_rows:
+        raise ValueError(
+            f"need one history and one penalty per row: {num_rows} rows, "
+            f"{len(token_histories)} histories, {len(penalties)} penalties"
+        )
+    if rows is None:
+        rows = [i for i, p in enumerate(penalties) if p != 1.0]
+    if not rows:
+        return logits
+    histories = [torch.as_tensor(token_histories[i], dtype=torch.long).reshape(-1).cpu() for i in rows]
+    token_ids = torch.cat(histories)  # [N]
+    if token_ids.numel() == 0:
+        return logits
+    lowest, highest = int(token_ids.min()), int(token_ids.max())
+    if lowest < 0 or highest >= vocab_size:
+        bad = lowest if lowest < 0 else highest
+        raise ValueError(f"token history contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+    row_ids = torch.cat([torch.full((len(h),), r, dtype=torch.long) for r, h in zip(rows, histories)])  # [N]
+    # A boolean mask makes a token repeated in the history count once, as "distinct tokens" requires.
+    seen = torch.zeros((num_rows, vocab_size), dtype=torch.bool)  # [B, V]
+    seen[row_ids, token_ids] = True
+    seen = seen.to(logits.device)
+    penalty = torch.tensor([float(p) for p in penalties], dtype=torch.float32)  # [B]
+    penalty = penalty.to(device=logits.device, dtype=logits.dtype).unsqueeze(1)  # [B, 1]
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
+    logits.copy_(torch.where(seen, penalised, logits))
+    return logits
+
+
+def _mask_below_kth(target: torch.Tensor, descending_values: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Set target entries below each row's k-th largest value to -inf, in place; rows with k == 0 untouched.
+
+    descending_values [B, W] holds each row's W largest values in descending order (W >= every k in use,
+    or W == V); k is clamped to W."""
+    width = descending_values.shape[1]
+    k = top_k.to(device=descending_values.device, dtype=torch.long)
+    kth_index = k.clamp(min=1, max=width).sub(1).unsqueeze(1)  # [B, 1]
+    kth_value = descending_values.gather(1, kth_index)  # [B, 1]
+    # Disabled rows get a -inf threshold, which removes nothing.
+    kth_value = kth_value.masked_fill((k == 0).unsqueeze(1), float("-inf"))
+    target.masked_fill_(target < kth_value, float("-inf"))
+
+
+class Sampler:
+    """Stateless apart from the generator used by rows without a seed."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()  # nondeterministic, like an unseeded API call should be
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        self._validate(logits, batch)
+        params = batch.params
+        num_rows = logits.shape[0]
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=None)
+
+        want_logprobs = any(p.logprobs for p in params)
+        penalised_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+
+        # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax).
+        if not sampled_rows and not penalised_rows and not want_logprobs:
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
+
+        # Copy once: everything below works in place and the caller's logits (needed raw for logprobs) stay intact.
+        x = logits.to(dtype=torch.float32, copy=True)  # [B, V]
+        if penalised_rows:
+            apply_repetition_penalty(
+                x, batch.token_histories, [p.repetition_penalty for p in params], rows=penalised_rows
+            )
+
+        sampled_params = [params[i] for i in sampled_rows]
+        sampled_generators = [batch.generators[i] for i in sampled_rows]
+        if len(sampled_rows) == num_rows:
+            tokens = self._sample(x, sampled_params, sampled_generators)  # [B]
+        else:
+            tokens = x.argmax(dim=-1)  # [B]; final for greedy rows, overwritten below for sampled rows
+            if sampled_rows:
+                row_index = torch.tensor(sampled_rows, device=x.device)  # [S]
+                xs = x.index_select(0, row_index)  # [S, V]
+                tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators))
+
+        logprobs = None
+        if want_logprobs:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def _sample(
+        self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Sample one token per row of x [S, V] (float32, modified in place); returns token ids [S]."""
+        num_rows, vocab_size = x.shape
+        device = x.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [S]
+        # Shift so each row's max is 0 before dividing: softmax is unchanged, and a tiny temperature then sends
+        # the rest to -inf instead of overflowing to inf (inf - inf would be NaN in softmax).
+        x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
+
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+
+        probs = torch.softmax(x, dim=-1)  # [S, V]
+        # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i, and each
+        # row's draw is just V values from its own stream, independent of the batch around it.
+        q = torch.empty_like(probs)  # [S, V]
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        for i, g in enumerate(generators):
+            if g is not None:
+                # A seeded row draws exactly V values per sampled step from its own generator, nothing else.
+                q[i].copy_(torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=g))
+        if len(unseeded) == num_rows:
+            q.exponential_(generator=self._generator)
+        elif unseeded:
+            index = torch.tensor(unseeded, device=device)
+            noise = torch.empty((len(unseeded), vocab_size), dtype=torch.float32, device=device)  # [U, V]
+            q.index_copy_(0, index, noise.exponential_(generator=self._generator))
+        # An Exp draw can be exactly 0; 0/0 would be NaN and argmax would pick a filtered-out token.
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return probs.div_(q).argmax(dim=-1)
+
+    def _validate(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D [B, V], got shape {tuple(logits.shape)}")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+        num_rows, vocab_size = logits.shape
+        if vocab_size == 0:
+            raise ValueError("logits have an empty vocabulary dimension (V == 0)")
+        lengths = {
+            "batch.params": len(batch.params),
+            "batch.generators": len(batch.generators),
+            "batch.token_histories": len(batch.token_histories),
+        }
+        for name, length in lengths.items():
+            if length != num_rows:
+                raise ValueError(f"logits have {num_rows} rows but {name} has {length} entries")
+        if logits.device.type != self.device.type:
+            raise ValueError(f"logits are on {logits.device} but this Sampler draws noise on {self.device}")
+        for i, (p, g) in enumerate(zip(batch.params, batch.generators)):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"batch.params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            if p.seed is not None and g is None:
+                # Falling back to the shared generator would silently break the seed's reproducibility.
+                raise ValueError(f"row {i} has seed={p.seed} but no generator; create one with make_generator")
+            if g is not None and g.device.type != logits.device.type:
+                raise ValueError(f"row {i}'s generator is on {g.device} but logits are on {logits.device}")

@@ -1,0 +1,206 @@
+"""Continuous batching: which requests compute how many tokens this step. Pure Python.
+
+Owns every request status change. There is no prefill or decode phase: each scheduled
+request gets the tokens that let its computed count catch up with its known tokens,
+within a per-step token budget; chunked prefill, decode and resume are the same loop.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from worker.block_manager import BlockManager
+from worker.request import Request, RequestStatus
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served (too long for the model or the pool)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+    # Most prompt tokens one request computes in a step: bounds how long decodes wait
+    # behind a long prompt. None: the whole step budget.
+    max_prefill_chunk_tokens: int | None = None
+    # Admission keeps this fraction of the pool free, so new requests do not force
+    # preemptions of running ones on their next decode.
+    admission_watermark: float = 0.01
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens < 1:
+            raise ValueError(f"max_prefill_chunk_tokens must be >= 1, got {self.max_prefill_chunk_tokens}")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: list[Request] = []  # kept sorted by _waiting_key
+        self.running: list[Request] = []  # kept sorted by Request.sort_key
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------
+    def check_can_serve(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise RequestRejectedError if a request of this size can never run."""
+        if prompt_len < 1:
+            raise RequestRejectedError("prompt is empty: at least one token is required")
+        total = prompt_len + max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejectedError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len {self.config.max_model_len}")
+        blocks = -(-total // self.blocks.block_size)
+        if blocks > self.blocks.num_blocks:
+            raise RequestRejectedError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks "
+                f"but the pool has only {self.blocks.num_blocks}")
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_can_serve(request.num_prompt_tokens, request.params.max_tokens)
+        request.arrival_seq = next(self._arrivals)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=_waiting_key)
+
+    # ---- the step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[Request] = []
+        # Decodes first, then unfinished prompt chunks: a running decode never waits
+        # behind more than one chunk.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, budget)
+            while not self.blocks.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                victim = self._pick_victim(request, scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = ScheduledRequest(request, num_new)
+                budget -= num_new
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self.blocks.has_request(request.request_id):
+                # Leave at least one token to compute: its logits give the next token.
+                cached = self.blocks.allocate_prefix(request.request_id, request.token_ids, request.num_tokens - 1)
+                request.num_computed_tokens = cached
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = cached
+            num_new = self._num_new_tokens(request, budget)
+            if not self._try_allocate(request, num_new):
+                self.blocks.free(request.request_id)  # give back its prefix-cache hits
+                request.num_computed_tokens = 0
+                break
+            self._start(request, num_new, scheduled)
+            budget -= num_new
+        return budget
+
+    def _try_allocate(self, request: Request, num_new: int) -> bool:
+        total = request.num_computed_tokens + num_new
+        needed = self.blocks.num_new_blocks_needed(request.request_id, total)
+        # With nothing running, nothing will ever free blocks: the watermark may be spent.
+        reserve = self._watermark_blocks if self.running else 0
+        if needed + reserve > self.blocks.num_free_blocks:
+            return False
+        return self.blocks.allocate_slots(request.request_id, total)
+
+    def _start(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest]) -> None:
+        self.waiting.pop(0)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+        scheduled[request.request_id] = ScheduledRequest(request, num_new)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.max_prefill_chunk_tokens is not None:
+            num_new = min(num_new, self.config.max_prefill_chunk_tokens)
+        return num_new
+
+    def _pick_victim(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> Request:
+        """Lowest priority, then newest, among running requests not already given work
+        this step; the requester itself when it ranks lowest."""
+        candidates = [r for r in self.running if r.request_id not in scheduled and r.status == RequestStatus.RUNNING]
+        return max(candidates, key=lambda r: r.sort_key)  # `request` is always a candidate
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute: drop the K/V, keep the tokens, go back to the front of the queue.
+        self.blocks.free(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    # ---- after the step ---------------------------------------------------------------
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """Move a live request to a terminal status and free everything it holds."""
+        assert status.is_finished
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.error = error
+        self.blocks.free(request.request_id)
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort from any state; unknown or already finished ids are a no-op."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+
+def _waiting_key(request: Request) -> tuple[int, int, int]:
+    # Preempted requests resume before anything new, then priority, then arrival.
+    return (0 if request.status == RequestStatus.PREEMPTED else 1, *request.sort_key)
