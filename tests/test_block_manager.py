@@ -328,12 +328,18 @@ VOCAB = st.integers(0, 1)
 PROMPTS = [[0] * 8, [0, 1] * 4, [1, 1, 0, 0] * 2]
 
 
+def kv_of(token_ids, pos):
+    """Stand-in for the KV of token pos: everything it was computed from."""
+    return tuple(token_ids[: pos + 1])
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives a BlockManager like an engine would and checks it against a shadow model.
 
     The shadow keeps, per request, its known tokens, its slots and how many tokens have KV
-    written; and, per block, the tokens whose KV it holds. A prefix hit must return blocks
-    whose shadow content is exactly the looked-up tokens.
+    written; and, per block slot, what its KV depends on: the whole token prefix up to and
+    including that token (attention makes a token's KV depend on everything before it). A
+    prefix hit must return blocks whose slots hold exactly the looked-up prefixes.
     """
 
     def __init__(self):
@@ -341,7 +347,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = None
 
     # Small pools mostly, so allocation failures and eviction-on-allocate are common.
-    @initialize(num_blocks=st.one_of(st.integers(4, 8), st.integers(4, 24)), block_size=st.integers(1, 4), caching=st.sampled_from([True, True, False]))
+    @initialize(
+        num_blocks=st.one_of(st.integers(4, 8), st.integers(4, 24)),
+        block_size=st.integers(1, 4),
+        caching=st.sampled_from([True, True, False]),
+    )
     def setup(self, num_blocks, block_size, caching):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.bs = block_size
@@ -368,8 +378,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert hit == 0
         assert len(table) * self.bs == hit
         for i, block_id in enumerate(table):
-            assert self.content[block_id] == list(token_ids[i * self.bs:(i + 1) * self.bs]), (
-                f"prefix hit on block {block_id} with stale content")
+            expected = [kv_of(token_ids, pos) for pos in range(i * self.bs, (i + 1) * self.bs)]
+            assert self.content[block_id] == expected, f"prefix hit on block {block_id} with stale KV"
         self.tokens[request_id] = list(token_ids)
         self.slots[request_id] = self.computed[request_id] = hit
 
@@ -432,7 +442,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         start = self.computed[request_id]
         table, tokens = self.bm.block_table(request_id), self.tokens[request_id]
         for pos in range(start, num_computed):
-            self.content[table[pos // self.bs]][pos % self.bs] = tokens[pos]
+            self.content[table[pos // self.bs]][pos % self.bs] = kv_of(tokens, pos)
         self.bm.cache_blocks(request_id, tokens, num_computed)
         self.computed[request_id] = num_computed
 
@@ -462,7 +472,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         num_free = self.bm.num_free_blocks
         self.bm.free(request_id)  # double free and unknown ids are harmless
         self.bm.free("unknown")
-        assert self.bm.num_free_blocks == num_free
+        assert self.bm.num_free_blocks == num_free and not self.bm.has_request(request_id)
         for shadow in (self.tokens, self.slots, self.computed):
             del shadow[request_id]
 
@@ -490,7 +500,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_integrity()
         bm = self.bm
         assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
-        assert set(self.tokens) == {r for r in self.tokens if bm.has_request(r)}
+        assert all(bm.has_request(request_id) for request_id in self.tokens)
         for request_id, num_tokens in self.slots.items():
             assert bm.num_tokens(request_id) == num_tokens
             assert len(bm.block_table(request_id)) == -(-num_tokens // self.bs)
@@ -499,7 +509,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for request_id, num_computed in self.computed.items():
             table, tokens = bm.block_table(request_id), self.tokens[request_id]
             written = [self.content[table[pos // self.bs]][pos % self.bs] for pos in range(num_computed)]
-            assert written == tokens[:num_computed], f"KV of {request_id} was overwritten"
+            assert written == [kv_of(tokens, pos) for pos in range(num_computed)], (
+                f"KV of {request_id} was overwritten")
 
     def teardown(self):
         if self.bm is None:
