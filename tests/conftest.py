@@ -23,6 +23,7 @@ def make_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides):
         model_cls = transformers.Qwen2ForCausalLM
     elif arch == "qwen3":
         common.setdefault("head_dim", 16)
+        common.setdefault("tie_word_embeddings", True)  # as the small Qwen3 releases are
         config = transformers.Qwen3Config(**common)
         model_cls = transformers.Qwen3ForCausalLM
     else:

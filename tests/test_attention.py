@@ -35,7 +35,8 @@ def _random_step(seed: int, query_lens, context_lens, num_heads=8, num_kv_heads=
 
 
 @pytest.mark.parametrize("query_lens, context_lens", [
-    ([1, 1, 1], [0, 7, 30]),  # decodes only, one of them a 1-token prompt
+    ([1, 1, 1], [7, 30, 0]),  # decodes only, one of them a 1-token prompt
+    ([1] * 11, [40, 33, 30, 20, 19, 18, 9, 8, 5, 2, 0]),  # more decodes than one group
     ([9], [0]),  # one fresh prompt
     ([5, 12], [8, 3]),  # prompt chunks after cached context
     ([1, 1, 6, 13, 4], [12, 4, 0, 9, 0]),  # everything at once, decodes first

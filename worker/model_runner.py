@@ -70,8 +70,10 @@ class ModelRunner:
             return []
         if len(seqs) > self.max_num_seqs:
             raise ValueError(f"step has {len(seqs)} sequences, more than max_num_seqs={self.max_num_seqs}")
-        # Decodes first: the attention fast path batches them (see AttentionMetadata).
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].new_token_ids) != 1)
+        # Decodes first, longest context first: the attention fast path batches them in
+        # groups of similar length (see AttentionMetadata).
+        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].new_token_ids) != 1,
+                                                        -seqs[i].context_len if len(seqs[i].new_token_ids) == 1 else 0))
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream_ctx:
             input_ids, positions, meta, logits_indices, sampled = self._prepare([seqs[i] for i in order])

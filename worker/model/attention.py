@@ -12,12 +12,16 @@ import torch
 import torch.nn.functional as F
 
 
+DECODE_GROUP_SIZE = 8
+
+
 @dataclass
 class AttentionMetadata:
     """Where a step's packed tokens live. Built once per step by the model runner.
 
     Sequences are ordered decodes first: the first `num_decodes` sequences bring exactly
-    one new token each; the rest bring a chunk of prompt (or of recomputed tokens).
+    one new token each, longest context first; the rest bring a chunk of prompt (or of
+    recomputed tokens).
     Token t of sequence b with `query_lens[b]` new tokens sits at position
     `seq_lens[b] - query_lens[b] + i` and its K/V goes to flat slot `slot_mapping[t]`
     = block_id * S + offset.
@@ -87,10 +91,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     out = torch.empty_like(q)
     num_decodes = meta.num_decodes
-    if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache,
-                                              meta.block_tables[:num_decodes],
-                                              meta.seq_lens[:num_decodes], scale)
+    # Decodes in groups of neighbours in length (the runner sorts them longest first),
+    # so each group pads its gathered K/V only to its own longest sequence.
+    for start in range(0, num_decodes, DECODE_GROUP_SIZE):
+        end = min(start + DECODE_GROUP_SIZE, num_decodes)
+        max_len = max(meta.context_lens[start:end]) + 1
+        out[start:end] = _decode_attention(q[start:end], k_cache, v_cache, meta.block_tables[start:end],
+                                           meta.seq_lens[start:end], max_len, scale)
     start = num_decodes
     for b in range(num_decodes, meta.num_seqs):
         q_len, ctx_len = meta.query_lens[b], meta.context_lens[b]
@@ -106,13 +113,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
     # q [B, H, D]; one new token per sequence, already written to the cache.
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    max_blocks = (max_len + block_size - 1) // block_size
     tables = block_tables[:, :max_blocks]
     # [B, n, S, Hkv, D] -> [B, Hkv, L, D] with L = n * S (padding masked below)
     keys = k_cache[tables].flatten(1, 2).transpose(1, 2)

@@ -73,7 +73,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so. Call again
+        after anything that re-creates parameters (e.g. `to_empty`), which unties them."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],

@@ -65,6 +65,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
     with torch.device("meta"):
         model = Transformer(config, max_positions).to(dtype)
     model.to_empty(device=device)
+    model.tie_weights()
     model.rotary.build_table(device)  # cos/sin stay float32 whatever the model dtype
     _load_weights(model, checkpoint_files(model_dir), dtype)
     model.eval().requires_grad_(False)
