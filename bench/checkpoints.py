@@ -1,5 +1,4 @@
 """Creates (once) and locates the random-weight "bench-small" Llama checkpoint the benchmarks run on.
-
 Nothing is downloaded: the model is built from a config with a seeded init and saved with save_pretrained."""
 
 from __future__ import annotations

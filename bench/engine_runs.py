@@ -4,9 +4,10 @@ decode rate, and KV-slot utilisation sampled after every step."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from bench.hf_baselines import RunResult
+from bench.run_result import RunResult, Timed
 from bench.workload import Request
 
 MAX_MODEL_LEN = 2048  # the checkpoint's max_position_embeddings: what a contiguous cache reserves per sequence
@@ -48,12 +49,13 @@ def _generate(engine, requests: list[Request]) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-def run_throughput(engine, requests: list[Request], warmup: list[Request]) -> RunResult:
+def run_throughput(engine, requests: list[Request], warmup: list[Request], timed: Timed = nullcontext) -> RunResult:
     """(c) The whole workload in one engine.generate() call; useful tokens are checked, not assumed."""
     _generate(engine, warmup)
-    t0 = time.perf_counter()
-    outputs = _generate(engine, requests)
-    wall = time.perf_counter() - t0
+    with timed():
+        t0 = time.perf_counter()
+        outputs = _generate(engine, requests)
+        wall = time.perf_counter() - t0
     notes = []
     wrong = [i for i, (o, r) in enumerate(zip(outputs, requests)) if len(o) != r.output_len]
     if wrong:

@@ -110,29 +110,3 @@ def decode_bytes_per_token(shape: ModelShape) -> int:
     of which only one row is gathered). The KV cache read is left out, which keeps this a true upper bound."""
     return (shape.block_linear_params + shape.lm_head_params) * BYTES_PER_PARAM
 
-
-def busy_other_processes(threshold_pct: float = 20.0, interval_s: float = 1.0) -> list[str]:
-    """Other processes using CPU right now. On a 2-core machine one busy neighbour stalls every 2-thread OpenMP
-    region (the partner thread is descheduled), which can slow elementwise ops by 10-100x: results are then noise."""
-    import os
-
-    import psutil
-
-    me = os.getpid()
-    procs = [p for p in psutil.process_iter(["pid", "name"]) if p.info["pid"] != me]
-    for p in procs:
-        try:
-            p.cpu_percent(None)
-        except psutil.Error:
-            pass
-    time.sleep(interval_s)
-    busy = []
-    for p in procs:
-        try:
-            pct = p.cpu_percent(None)
-            if pct >= threshold_pct:
-                cmd = " ".join(p.cmdline())[:80] or p.info["name"]
-                busy.append(f"pid {p.info['pid']} {pct:.0f}% {cmd}")
-        except psutil.Error:
-            pass
-    return busy

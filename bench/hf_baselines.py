@@ -4,27 +4,14 @@ manager, and batch-1 decode — each timed on the same workload and checkpoint a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 
+from bench.run_result import RunResult, Timed
 from bench.workload import Request
 
 PAD_ID = 0  # the random checkpoint has no pad token; any id works because the attention mask hides it
-
-
-@dataclass
-class RunResult:
-    name: str
-    wall_s: float
-    useful_tokens: int
-    outputs: list[list[int]] | None = None  # generated ids per request, for cross-system agreement checks
-    notes: list[str] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.useful_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def load_hf_model(model_dir):
@@ -56,15 +43,17 @@ def _generate_static(model, batch: list[Request]) -> list[list[int]]:
     return [gen[i, : r.output_len].tolist() for i, r in enumerate(batch)]
 
 
-def run_static_generate(model, requests: list[Request], warmup: list[Request], batch_size: int = 8) -> RunResult:
+def run_static_generate(model, requests: list[Request], warmup: list[Request], batch_size: int = 8,
+                        timed: Timed = nullcontext) -> RunResult:
     """(a) What most people write: fixed batches in arrival order, each padded to its longest prompt and run to its
     longest output. Only each request's own output length counts as useful."""
     _generate_static(model, warmup)
     outputs: list[list[int]] = []
-    t0 = time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        outputs += _generate_static(model, requests[i:i + batch_size])
-    wall = time.perf_counter() - t0
+    with timed():
+        t0 = time.perf_counter()
+        for i in range(0, len(requests), batch_size):
+            outputs += _generate_static(model, requests[i:i + batch_size])
+        wall = time.perf_counter() - t0
     return RunResult(f"HF generate (static batch {batch_size})", wall,
                      sum(r.output_len for r in requests), outputs)
 
@@ -110,7 +99,8 @@ def _cb_round(manager, requests: list[Request], prefix: str, timeout_s: float) -
 
 
 def run_continuous_batching(model, requests: list[Request], warmup: list[Request], max_batch_tokens: int,
-                            max_requests: int, page_size: int = 256, timeout_s: float = 1800) -> RunResult:
+                            max_requests: int, page_size: int = 256, timeout_s: float = 1800,
+                            timed: Timed = nullcontext) -> RunResult:
     """(b) transformers' own continuous batching: the manager API with per-request max_new_tokens, attention "sdpa"
     over its paged cache (flash kernels need CUDA). Failures are reported, not raised."""
     name = "HF continuous batching"
@@ -119,12 +109,14 @@ def run_continuous_batching(model, requests: list[Request], warmup: list[Request
     try:
         gen_cfg, cb_cfg = _cb_configs(requests, max_batch_tokens, max_requests, page_size)
         manager = model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
-        manager.start()
+        # The generation thread adopts the caller's inference mode at start(), so start it inside.
         with torch.inference_mode():
+            manager.start()
             _cb_round(manager, warmup, "warm", timeout_s)
-            t0 = time.perf_counter()
-            outputs = _cb_round(manager, requests, "req", timeout_s)
-            wall = time.perf_counter() - t0
+            with timed():
+                t0 = time.perf_counter()
+                outputs = _cb_round(manager, requests, "req", timeout_s)
+                wall = time.perf_counter() - t0
         bad = [i for i, (o, r) in enumerate(zip(outputs, requests)) if len(o) != r.output_len]
         if bad:
             notes.append(f"{len(bad)} requests did not return exactly their output length (e.g. #{bad[0]})")

@@ -47,7 +47,8 @@ def make_requests(spec: WorkloadSpec, vocab_size: int, seed: int = WORKLOAD_SEED
     ]
 
 
-def make_decode_prompt(vocab_size: int, prompt_len: int = DECODE_PROMPT_LEN, seed: int = WORKLOAD_SEED + 1) -> list[int]:
+def make_decode_prompt(vocab_size: int, prompt_len: int = DECODE_PROMPT_LEN,
+                       seed: int = WORKLOAD_SEED + 1) -> list[int]:
     rng = np.random.default_rng(seed)
     return rng.integers(3, vocab_size, size=prompt_len).tolist()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.model import attention, cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
 
 
@@ -41,7 +42,12 @@ def _random_step(seed: int, query_lens, context_lens, num_heads=8, num_kv_heads=
     ([5, 12], [8, 3]),  # prompt chunks after cached context
     ([1, 1, 6, 13, 4], [12, 4, 0, 9, 0]),  # everything at once, decodes first
 ])
-def test_fast_path_matches_reference(query_lens, context_lens):
+@pytest.mark.parametrize("decode_path", ["cpu-kernel", "torch"])
+def test_fast_path_matches_reference(query_lens, context_lens, decode_path, monkeypatch):
+    if decode_path == "torch":
+        monkeypatch.setattr(attention, "_cpu_kernels", lambda q, k_cache: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: the CPU kernel cannot be built here")
     q, k, v, k_cache, v_cache, meta = _random_step(0, query_lens, context_lens)
     scale = 16 ** -0.5
     fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)

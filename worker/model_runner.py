@@ -81,7 +81,7 @@ class ModelRunner:
             if not sampled:
                 return [None] * len(seqs)
             logits = self.logits[:len(sampled)]
-            torch.mm(hidden.index_select(0, logits_indices), self.model.lm_head.weight.t(), out=logits)  # [B, V]
+            self.model.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
             batch = SamplingBatch(params=[seqs[order[j]].params for j in sampled],
                                   generators=[seqs[order[j]].generator for j in sampled],
                                   token_histories=[seqs[order[j]].token_history for j in sampled])

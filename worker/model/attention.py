@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.model import cpu_kernels
+
 
 DECODE_GROUP_SIZE = 8
 
@@ -84,16 +86,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Fast path, same result as the reference. q [T, H, D]; k, v [T, Hkv, D] (this step's).
 
-    Decodes run as one batched SDPA over K/V gathered from their blocks, with the query
-    heads of one KV head laid out as SDPA's query axis so grouped-query attention needs
-    no K/V copy per head. A prompt chunk with nothing cached attends to its own fresh
+    Decodes run in our C++ kernel where it applies (float32 on the CPU: K/V read in place
+    through the tables); otherwise as batched SDPA over K/V gathered from their blocks,
+    the query heads of one KV head laid out as SDPA's query axis so grouped-query
+    attention needs no K/V copy per head. A prompt chunk with nothing cached attends to its own fresh
     K/V (causal, no gather); a chunk after cached context gathers its context.
     """
     out = torch.empty_like(q)
     num_decodes = meta.num_decodes
-    # Decodes in groups of neighbours in length (the runner sorts them longest first),
-    # so each group pads its gathered K/V only to its own longest sequence.
-    for start in range(0, num_decodes, DECODE_GROUP_SIZE):
+    kernels = _cpu_kernels(q, k_cache) if num_decodes else None
+    if kernels is not None:
+        out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], k_cache, v_cache,
+                                                           meta.block_tables[:num_decodes],
+                                                           meta.seq_lens[:num_decodes], scale)
+    # Without the kernel: decodes in groups of neighbours in length (the runner sorts them
+    # longest first), so each group pads its gathered K/V only to its own longest sequence.
+    torch_decodes = 0 if kernels is None else num_decodes
+    for start in range(torch_decodes, num_decodes, DECODE_GROUP_SIZE):
         end = min(start + DECODE_GROUP_SIZE, num_decodes)
         max_len = max(meta.context_lens[start:end]) + 1
         out[start:end] = _decode_attention(q[start:end], k_cache, v_cache, meta.block_tables[start:end],
@@ -111,6 +120,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[start:end] = _prefill_attention(q[start:end], kb, vb, ctx_len, scale)
         start = end
     return out
+
+
+def _cpu_kernels(q: torch.Tensor, k_cache: torch.Tensor):
+    """Our compiled CPU decode kernel where it applies (float32 on the CPU), else None."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return None
+    return cpu_kernels.load()
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -10,7 +10,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model import cpu_kernels
 from worker.model.config import RopeConfig
+
+# Where each matmul form wins on the CPU, measured by `python -m bench.kernels` (see
+# docs/benchmarks.md): for one or two rows our streaming kernel reads the weight at close
+# to memory bandwidth; for a few dozen rows against a very wide weight (the LM head), BLAS
+# is markedly faster computing (W x^T)^T than x W^T; beyond that, plain BLAS.
+SMALL_BATCH_MAX_ROWS = 2
+WIDE_WEIGHT_MAX_ROWS = 64
+WIDE_WEIGHT_RATIO = 8  # out_features / in_features at which a weight counts as wide
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given, by the fastest measured
+    form for this shape on this device."""
+    rows = x.shape[0]
+    on_cpu_f32 = (x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
+                  and weight.dtype == torch.float32 and weight.is_contiguous())
+    if on_cpu_f32 and rows <= SMALL_BATCH_MAX_ROWS and (kernels := cpu_kernels.load()) is not None:
+        out = torch.empty(rows, weight.shape[0]) if out is None else out
+        kernels.linear_small_batch(x, weight, out)
+    elif on_cpu_f32 and rows <= WIDE_WEIGHT_MAX_ROWS and weight.shape[0] >= WIDE_WEIGHT_RATIO * weight.shape[1]:
+        transposed = torch.mm(weight, x.t())  # [N, M]
+        out = transposed.t().contiguous() if out is None else out.copy_(transposed.t())
+    elif out is None:
+        return F.linear(x, weight, bias)
+    else:
+        torch.mm(x, weight.t(), out=out)
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward goes through `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +58,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the model dtype, then scale in the model dtype
         # (the order Hugging Face uses, so half-precision outputs agree bit for bit).
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -66,19 +100,25 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions [T]; q [T, H, D]; k [T, Hkv, D]. Half-split ("rotate_half") layout,
-        # as in the Hugging Face Llama checkpoints.
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, D/2]; looked up once per forward and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] by position, in the half-split ("rotate_half") layout of the
+    Hugging Face Llama checkpoints: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out1, out2 = out[..., :half], out[..., half:]
+    # Written into halves of one buffer: no temporaries, no concatenation.
+    torch.mul(x1, cos, out=out1)
+    out1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2)
+    out2.addcmul_(x1, sin)
+    return out
 
 
 class GatedMLP(nn.Module):
@@ -87,8 +127,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -12,14 +12,15 @@ from torch import nn
 
 from worker.model.attention import AttentionMetadata, paged_attention, write_kv
 from worker.model.config import ModelConfig
-from worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from worker.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V pools, each [N, S, Hkv, D]
 AttentionFn = Callable[..., torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions, each [T, 1, D/2]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -27,22 +28,26 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim ** -0.5
         # q, k and v fused into one matmul; the loader concatenates the checkpoint's three.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, attention_fn: AttentionFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata,
+                attention_fn: AttentionFn) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        cos, sin = rope
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: rotate both with one pass.
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = apply_rotary(self.k_norm(k), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = attention_fn(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
@@ -50,15 +55,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, x, positions, kv_cache, meta, attention_fn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, attention_fn)
+    def forward(self, x, rope, kv_cache, meta, attention_fn):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, attention_fn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -67,12 +72,12 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         max_positions = max_positions or config.max_position_embeddings
-        # One rotary table shared by every layer.
-        self.rotary = rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
+        # One rotary table for every layer.
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -85,10 +90,12 @@ class Transformer(nn.Module):
                 meta: AttentionMetadata, attention_fn: AttentionFn = paged_attention) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, attention_fn)
+            x = layer(x, rope, kv_cache, meta, attention_fn)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, hidden] (only the positions we sample from) -> logits [B, V]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, hidden] (only the positions we sample from) -> logits [B, V], into
+        `out` when the caller keeps a buffer."""
+        return linear(hidden, self.lm_head.weight, out=out)

@@ -1,0 +1,92 @@
+"""Our CPU kernels against torch's own path, shape by shape: `python -m bench.kernels`.
+
+Decides where `worker.model.layers.SMALL_BATCH_MAX_ROWS` should sit and whether the
+paged decode-attention kernel pays over SDPA on gathered K/V. Prints ratios measured in
+this process, side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from worker.model import cpu_kernels
+from worker.model.attention import _decode_attention
+
+# bench-small's linear shapes (out, in): qkv, gate_up, down, o, lm_head.
+SHAPES = [(1024, 512), (2752, 512), (512, 1376), (512, 512), (32000, 512)]
+
+
+def timed_ms(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def bench_linear(kernels, repeats: int) -> None:
+    print("linear: x [M, K] @ W[N, K]^T, median ms (torch / ours, ratio > 1 means ours is faster)")
+    for n, k in SHAPES:
+        weight = torch.randn(n, k)
+        cells = []
+        for rows in (1, 2, 4, 8, 16, 32):
+            x = torch.randn(rows, k)
+            out = torch.empty(rows, n)
+            kernels.linear_small_batch(x, weight, out)
+            torch.testing.assert_close(out, x @ weight.t(), atol=1e-3, rtol=1e-4)
+            ref = timed_ms(lambda: F.linear(x, weight), repeats)
+            ours = timed_ms(lambda: kernels.linear_small_batch(x, weight, out), repeats)
+            cells.append(f"M={rows}: {ref:.2f}/{ours:.2f} ({ref / ours:.2f}x)")
+        print(f"  [{n}x{k}] " + "  ".join(cells))
+
+
+def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size: int = 16) -> None:
+    rng = random.Random(0)
+    num_blocks, num_kv_heads, head_dim, num_heads = 1200, 4, 64, 8
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    lens = sorted((rng.randint(64, 768) for _ in range(num_seqs)), reverse=True)
+    free = torch.randperm(num_blocks).tolist()
+    tables = []
+    for length in lens:
+        n = -(-length // block_size)
+        tables.append(free[:n])
+        free = free[n:]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(num_seqs, num_heads, head_dim)
+
+    def grouped_sdpa():
+        for s in range(0, num_seqs, 8):
+            _decode_attention(q[s:s + 8], k_cache, v_cache, block_tables[s:s + 8], seq_lens[s:s + 8], lens[s], 0.125)
+
+    ref = timed_ms(grouped_sdpa, repeats)
+    ours = timed_ms(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125),
+                    repeats)
+    print(f"decode attention, {num_seqs} sequences of 64..768 tokens: SDPA over gathered K/V {ref:.2f} ms, "
+          f"our kernel {ours:.2f} ms ({ref / ours:.2f}x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the CPU kernels could not be built here (no compiler or ninja?)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    bench_linear(kernels, args.repeats)
+    bench_decode_attention(kernels, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
