@@ -6,11 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from worker.model import cpu_kernels
-from worker.model.layers import SMALL_BATCH_MAX_ROWS, WIDE_WEIGHT_MAX_ROWS, WIDE_WEIGHT_RATIO, linear
+from worker.model.layers import (SMALL_BATCH_MAX_ROWS, TRANSPOSED_ROWS, WIDE_WEIGHT_KERNEL_MAX_ROWS,
+                                 WIDE_WEIGHT_RATIO, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS, linear)
 
 
-@pytest.mark.parametrize("rows", [1, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1, 17, WIDE_WEIGHT_MAX_ROWS + 1])
-@pytest.mark.parametrize("shape", [(96, 64), (64 * WIDE_WEIGHT_RATIO, 64)])  # ordinary and wide weights
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1, 17,
+                                  WIDE_WEIGHT_KERNEL_MAX_ROWS, 40, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS + 1,
+                                  TRANSPOSED_ROWS.stop])
+@pytest.mark.parametrize("shape", [(96, 64), (64 * WIDE_WEIGHT_RATIO, 64), (10, 20)])  # ordinary, wide, untiled
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_out", [False, True])
 def test_linear_matches_torch(rows, shape, with_bias, with_out):
@@ -28,3 +31,27 @@ def test_linear_matches_torch(rows, shape, with_bias, with_out):
 def test_small_batch_kernel_is_built_here():
     # This machine (and CI) has a compiler: the fast paths must really be exercised.
     assert cpu_kernels.load() is not None
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (37, 64), (3, 5, 16)])  # decode, prefill, per-head (Qwen3 q/k norm)
+def test_rms_norm_kernel_matches_the_formula(shape):
+    from worker.model.layers import RMSNorm
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(shape[-1], eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g))
+    x = torch.randn(shape, generator=g) * 3
+    expected = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm(x.transpose(0, -2)), expected.transpose(0, -2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_gated_mlp_kernel_matches_torch(rows):
+    from worker.model.layers import GatedMLP
+    torch.manual_seed(rows)
+    mlp = GatedMLP(32, 48, bias=False)
+    x = torch.randn(rows, 32)
+    gate, up = mlp.gate_up_proj(x).split(48, dim=-1)
+    expected = mlp.down_proj(F.silu(gate) * up)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)

@@ -14,12 +14,23 @@ from worker.model import cpu_kernels
 from worker.model.config import RopeConfig
 
 # Where each matmul form wins on the CPU, measured by `python -m bench.kernels` (see
-# docs/benchmarks.md): for one or two rows our streaming kernel reads the weight at close
-# to memory bandwidth; for a few dozen rows against a very wide weight (the LM head), BLAS
-# is markedly faster computing (W x^T)^T than x W^T; beyond that, plain BLAS.
-SMALL_BATCH_MAX_ROWS = 2
-WIDE_WEIGHT_MAX_ROWS = 64
+# docs/benchmarks.md). Up to a few rows our register-tiled kernel streams the weight at
+# close to memory bandwidth and beats BLAS; against a very wide weight (the LM head) it
+# wins further, and BLAS then does better computing (W x^T)^T than x W^T, as it does for
+# ordinary layer weights at 32..96 rows; elsewhere, plain BLAS.
+SMALL_BATCH_MAX_ROWS = 8
 WIDE_WEIGHT_RATIO = 8  # out_features / in_features at which a weight counts as wide
+WIDE_WEIGHT_KERNEL_MAX_ROWS = 32
+WIDE_WEIGHT_TRANSPOSED_MAX_ROWS = 64
+TRANSPOSED_ROWS = range(32, 97)
+
+
+def _is_cpu_f32(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
+def _is_wide(out_features: int, in_features: int) -> bool:
+    return out_features >= WIDE_WEIGHT_RATIO * in_features
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -27,18 +38,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given, by the fastest measured
     form for this shape on this device."""
     rows = x.shape[0]
-    on_cpu_f32 = (x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
-                  and weight.dtype == torch.float32 and weight.is_contiguous())
-    if on_cpu_f32 and rows <= SMALL_BATCH_MAX_ROWS and (kernels := cpu_kernels.load()) is not None:
+    if not (x.dim() == 2 and _is_cpu_f32(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
+        return F.linear(x, weight, bias) if out is None else _mm_into(x, weight, bias, out)
+    wide = _is_wide(*weight.shape)
+    kernels = cpu_kernels.load()
+    if kernels is not None and rows <= (WIDE_WEIGHT_KERNEL_MAX_ROWS if wide else SMALL_BATCH_MAX_ROWS):
         out = torch.empty(rows, weight.shape[0]) if out is None else out
         kernels.linear_small_batch(x, weight, out)
-    elif on_cpu_f32 and rows <= WIDE_WEIGHT_MAX_ROWS and weight.shape[0] >= WIDE_WEIGHT_RATIO * weight.shape[1]:
+    elif rows <= WIDE_WEIGHT_TRANSPOSED_MAX_ROWS if wide else rows in TRANSPOSED_ROWS:
         transposed = torch.mm(weight, x.t())  # [N, M]
         out = transposed.t().contiguous() if out is None else out.copy_(transposed.t())
-    elif out is None:
-        return F.linear(x, weight, bias)
     else:
-        torch.mm(x, weight.t(), out=out)
+        return F.linear(x, weight, bias) if out is None else _mm_into(x, weight, bias, out)
+    return out if bias is None else out.add_(bias)
+
+
+def _mm_into(x, weight, bias, out):
+    torch.mm(x, weight.t(), out=out)
     return out if bias is None else out.add_(bias)
 
 
@@ -56,6 +72,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_cpu_f32(x) and self.weight.dtype == torch.float32 and (kernels := cpu_kernels.load()) is not None:
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            kernels.rms_norm(x, self.weight, self.eps, out)
+            return out
         # Normalise in float32 whatever the model dtype, then scale in the model dtype
         # (the order Hugging Face uses, so half-precision outputs agree bit for bit).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -131,5 +152,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if _is_cpu_f32(gate_up) and (kernels := cpu_kernels.load()) is not None:
+            hidden = torch.empty(*gate_up.shape[:-1], self.intermediate_size)
+            kernels.silu_and_mul(gate_up.contiguous(), hidden)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
+        return self.down_proj(hidden)

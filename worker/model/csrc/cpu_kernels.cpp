@@ -2,7 +2,9 @@
 // - paged decode attention: one new query token per sequence, K/V read in place through
 //   the block table (no gathered copy);
 // - small-batch linear: y = x W^T for a few rows of x, streaming each weight row once and
-//   splitting the output features over all threads (a decode step is bound by reading W).
+//   splitting the output features over all threads (a decode step is bound by reading W);
+// - RMSNorm and SiLU-and-multiply in one pass each, where torch takes several small ops
+//   whose fixed cost dominates at decode sizes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,6 +14,10 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kLanes = 8;  // one AVX2 register of float32
+constexpr int64_t kTileM = 3;  // rows of x per register tile
+constexpr int64_t kTileN = 4;  // rows of W per register tile
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
@@ -103,15 +109,80 @@ void linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::Tensor out
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float* w_row = w_ptr + n * in_features;
-      for (int64_t m = 0; m < rows; ++m) out_ptr[m * out_features + n] = dot(x_ptr + m * in_features, w_row, in_features);
+  const bool tiled = in_features % kLanes == 0;
+  // Tiles of kTileN weight rows: each W row is streamed once per tile of kTileM x rows, with
+  // the kTileM x kTileN partial dot products held in registers (the compiler keeps the
+  // fixed-size accumulator array in vector registers).
+  at::parallel_for(0, (out_features + kTileN - 1) / kTileN, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTileN, n_count = std::min(kTileN, out_features - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kTileM) {
+        const int64_t m_count = std::min(kTileM, rows - m0);
+        if (!tiled || n_count < kTileN || m_count < kTileM) {
+          for (int64_t n = n0; n < n0 + n_count; ++n)
+            for (int64_t m = m0; m < m0 + m_count; ++m)
+              out_ptr[m * out_features + n] = dot(x_ptr + m * in_features, w_ptr + n * in_features, in_features);
+          continue;
+        }
+        float acc[kTileM][kTileN][kLanes] = {};
+        for (int64_t k = 0; k < in_features; k += kLanes)
+          for (int64_t i = 0; i < kTileM; ++i)
+            for (int64_t j = 0; j < kTileN; ++j) {
+              const float* xr = x_ptr + (m0 + i) * in_features + k;
+              const float* wr = w_ptr + (n0 + j) * in_features + k;
+#pragma omp simd
+              for (int64_t l = 0; l < kLanes; ++l) acc[i][j][l] += xr[l] * wr[l];
+            }
+        for (int64_t i = 0; i < kTileM; ++i)
+          for (int64_t j = 0; j < kTileN; ++j) {
+            float total = 0.f;
+            for (int64_t l = 0; l < kLanes; ++l) total += acc[i][j][l];
+            out_ptr[(m0 + i) * out_features + n0 + j] = total;
+          }
+      }
+    }
+  });
+}
+
+// out = weight * x / sqrt(mean(x^2) + eps), row by row; x, out [M, D] contiguous.
+void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous tensors only");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  const float* x_ptr = x.data_ptr<float>();
+  const float* w_ptr = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x_ptr + r * dim;
+      float* o = out_ptr + r * dim;
+      const float inv = 1.f / std::sqrt(dot(row, row, dim) / dim + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] = w_ptr[d] * (row[d] * inv);
+    }
+  });
+}
+
+// gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up.
+void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
+  TORCH_CHECK(gate_up.dtype() == torch::kFloat32 && gate_up.is_contiguous() && out.is_contiguous(),
+              "contiguous float32 only");
+  const int64_t width = out.size(-1), rows = out.numel() / width;
+  const float* in_ptr = gate_up.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in_ptr + r * 2 * width;
+      const float* up = gate + width;
+      float* o = out_ptr + r * width;
+      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
   });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
   m.def("linear_small_batch", &linear_small_batch, "out = x @ weight.T for few rows (CPU, float32)");
 }
