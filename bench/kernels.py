@@ -47,6 +47,20 @@ def bench_linear(kernels, repeats: int) -> None:
         print(f"  [{n}x{k}] " + "  ".join(cells))
 
 
+def bench_transposed_form(repeats: int) -> None:
+    print("BLAS forms: x W^T / (W x^T)^T, ratio of median times (> 1: the transposed form is faster)")
+    for n, k in SHAPES:
+        weight = torch.randn(n, k)
+        cells = []
+        for rows in (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256):
+            x = torch.randn(rows, k)
+            out = torch.empty(rows, n)
+            plain = timed_ms(lambda: F.linear(x, weight), repeats)
+            transposed = timed_ms(lambda: out.copy_(torch.mm(weight, x.t()).t()), repeats)
+            cells.append(f"{rows}:{plain / transposed:.2f}")
+        print(f"  [{n}x{k}] " + "  ".join(cells))
+
+
 def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size: int = 16) -> None:
     rng = random.Random(0)
     num_blocks, num_kv_heads, head_dim, num_heads = 1200, 4, 64, 8
@@ -85,6 +99,7 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built here (no compiler or ninja?)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     bench_linear(kernels, args.repeats)
+    bench_transposed_form(args.repeats)
     bench_decode_attention(kernels, args.repeats)
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
@@ -21,6 +20,7 @@ from worker.block_manager import BlockManager
 from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budget,
                              num_blocks_from_free_cuda_memory)
 from worker.model.attention import paged_attention, paged_attention_reference
+from worker.model.config import ModelConfig
 from worker.model.weights import load_model, resolve_dtype
 from worker.model_runner import ModelRunner, SequenceStep
 from worker.request import Request, RequestStatus
@@ -83,8 +83,7 @@ class Engine:
         device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
                               else "cpu" if config.device == "auto" else config.device)
         self.model_dir = Path(model_dir)
-        from worker.model.config import ModelConfig  # cheap; read before loading to size tables
-        model_config = ModelConfig.from_model_dir(self.model_dir)
+        model_config = ModelConfig.from_model_dir(self.model_dir)  # read first: it sizes the rotary table
         max_model_len = config.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
