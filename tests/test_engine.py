@@ -5,7 +5,6 @@ import random
 
 import psutil
 import pytest
-import torch
 
 from worker.engine import Engine, RequestRejectedError, SamplingParams
 

@@ -19,6 +19,7 @@ from shared.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budget,
                              num_blocks_from_free_cuda_memory)
+from worker.model import cpu_kernels
 from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.config import ModelConfig
 from worker.model.weights import load_model, resolve_dtype
@@ -89,6 +90,10 @@ class Engine:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_config.max_position_embeddings}")
         self.max_model_len = max_model_len
+        if device.type == "cpu":
+            # Build (first use only, about a minute) or load our CPU kernels now rather
+            # than inside the first step.
+            cpu_kernels.load()
         self.model = load_model(self.model_dir, device, config.dtype, max_positions=max_model_len)
         self.model_config = self.model.config
         self.device = device

@@ -157,7 +157,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_le
     if ctx_len == 0:
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
     else:
-        q_len, seq_len = q.shape[0], k.shape[0]
+        seq_len = k.shape[0]
         q_pos = torch.arange(ctx_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=k_pos <= q_pos, scale=scale)

@@ -26,6 +26,7 @@ def load():
         build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
         build_dir = build_dir / "inference_cluster"
         build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("loading our CPU kernels (compiled on first use, about a minute)")
         return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_dir),
                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                      verbose=False)
