@@ -94,7 +94,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     out = torch.empty_like(q)
     num_decodes = meta.num_decodes
-    kernels = _cpu_kernels(q, k_cache) if num_decodes else None
+    kernels = _cpu_kernels(q, k_cache, v_cache) if num_decodes else None
     if kernels is not None:
         out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                                            meta.block_tables[:num_decodes],
@@ -122,11 +122,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _cpu_kernels(q: torch.Tensor, k_cache: torch.Tensor):
-    """Our compiled CPU decode kernel where it applies (float32 on the CPU), else None."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-        return None
-    return cpu_kernels.load()
+def _cpu_kernels(*tensors: torch.Tensor):
+    """Our compiled CPU decode kernel where it applies (float32 on the CPU), else None.
+    A seam of its own so tests can force the torch path."""
+    return cpu_kernels.for_tensors(*tensors)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

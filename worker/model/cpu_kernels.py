@@ -11,6 +11,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
@@ -33,3 +35,11 @@ def load():
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
         log.warning("CPU kernels unavailable (%s); using the torch attention path", exc)
         return None
+
+
+def for_tensors(*tensors):
+    """The compiled module when every tensor is float32 on the CPU (what the kernels
+    take), else None: the one check every caller makes before using a kernel."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return load()
+    return None

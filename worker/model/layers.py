@@ -25,36 +25,37 @@ WIDE_WEIGHT_TRANSPOSED_MAX_ROWS = 64
 TRANSPOSED_ROWS = range(32, 97)
 
 
-def _is_cpu_f32(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32
-
-
 def _is_wide(out_features: int, in_features: int) -> bool:
     return out_features >= WIDE_WEIGHT_RATIO * in_features
+
+
+def _fastest_form(rows: int, weight: torch.Tensor, has_kernels: bool) -> str:
+    """'kernel', 'transposed' or 'blas' for x [rows, K] @ weight^T, as measured."""
+    wide = _is_wide(*weight.shape)
+    if has_kernels and rows <= (WIDE_WEIGHT_KERNEL_MAX_ROWS if wide else SMALL_BATCH_MAX_ROWS):
+        return "kernel"
+    if (rows <= WIDE_WEIGHT_TRANSPOSED_MAX_ROWS) if wide else (rows in TRANSPOSED_ROWS):
+        return "transposed"
+    return "blas"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given, by the fastest measured
     form for this shape on this device."""
-    rows = x.shape[0]
-    if not (x.dim() == 2 and _is_cpu_f32(x) and weight.dtype == torch.float32 and weight.is_contiguous()):
-        return F.linear(x, weight, bias) if out is None else _mm_into(x, weight, bias, out)
-    wide = _is_wide(*weight.shape)
-    kernels = cpu_kernels.load()
-    if kernels is not None and rows <= (WIDE_WEIGHT_KERNEL_MAX_ROWS if wide else SMALL_BATCH_MAX_ROWS):
-        out = torch.empty(rows, weight.shape[0]) if out is None else out
+    on_cpu = x.dim() == 2 and weight.is_contiguous() and x.device.type == "cpu" and weight.dtype == torch.float32
+    kernels = cpu_kernels.for_tensors(x, weight) if on_cpu else None
+    form = _fastest_form(x.shape[0], weight, kernels is not None) if on_cpu else "blas"
+    if form == "blas" and out is None:
+        return F.linear(x, weight, bias)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if form == "kernel":
         kernels.linear_small_batch(x, weight, out)
-    elif rows <= WIDE_WEIGHT_TRANSPOSED_MAX_ROWS if wide else rows in TRANSPOSED_ROWS:
-        transposed = torch.mm(weight, x.t())  # [N, M]
-        out = transposed.t().contiguous() if out is None else out.copy_(transposed.t())
+    elif form == "transposed":
+        out.copy_(torch.mm(weight, x.t()).t())  # (W x^T)^T: [N, M] computed, then laid out [M, N]
     else:
-        return F.linear(x, weight, bias) if out is None else _mm_into(x, weight, bias, out)
-    return out if bias is None else out.add_(bias)
-
-
-def _mm_into(x, weight, bias, out):
-    torch.mm(x, weight.t(), out=out)
+        torch.mm(x, weight.t(), out=out)
     return out if bias is None else out.add_(bias)
 
 
@@ -72,7 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _is_cpu_f32(x) and self.weight.dtype == torch.float32 and (kernels := cpu_kernels.load()) is not None:
+        if (kernels := cpu_kernels.for_tensors(x, self.weight)) is not None:
             x = x.contiguous()
             out = torch.empty_like(x)
             kernels.rms_norm(x, self.weight, self.eps, out)
@@ -153,7 +154,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        if _is_cpu_f32(gate_up) and (kernels := cpu_kernels.load()) is not None:
+        if (kernels := cpu_kernels.for_tensors(gate_up)) is not None:
             hidden = torch.empty(*gate_up.shape[:-1], self.intermediate_size)
             kernels.silu_and_mul(gate_up.contiguous(), hidden)
         else:
