@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lock clean
+.PHONY: run test bench lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,8 +14,11 @@ $(STAMP): requirements.lock pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m bench.checkpoints
 	$(VENV)/bin/honcho start
+
+# Regenerate protos/*_pb2*.py after editing a .proto (tests/test_protos.py checks they are current).
+protos: $(STAMP)
+	$(PY) -m tools.gen_protos
 
 test: $(STAMP)
 	$(PY) -m pytest -q

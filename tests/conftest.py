@@ -44,3 +44,12 @@ def checkpoints(tmp_path_factory):
     """One tiny checkpoint per supported architecture, built once per test session."""
     root = tmp_path_factory.mktemp("checkpoints")
     return {arch: make_checkpoint(root / arch, arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def served_checkpoint(tmp_path_factory):
+    """A tiny llama checkpoint with a tokenizer beside it: what a cluster test serves."""
+    from tokenizer_fixture import make_tokenizer
+    path = make_checkpoint(tmp_path_factory.mktemp("served") / "llama", "llama", vocab_size=320)
+    make_tokenizer(path, vocab_size=320)
+    return path

@@ -132,3 +132,24 @@ def test_memory_stays_flat_over_1000_mixed_steps(llama_dir):
     assert counter > 100, "the workload should have cycled many requests"
     assert growth < 8 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB after warm-up"
     assert {name: t.data_ptr() for name, t in engine.runner._host.items()} == buffers_before
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=7,
+                                                   ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_request_resumed_from_streamed_tokens_continues_identically(checkpoints, params):
+    """What the gateway does when a worker dies: resend prompt + tokens already streamed."""
+    engine = Engine.from_model_dir(checkpoints["llama"], num_kv_blocks=64)
+    prompt = list(range(3, 40))
+    full = engine.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert len(full) == 24
+    for cut in (1, 10, 23):
+        engine.add_request(f"resume-{cut}", prompt, params, output_token_ids=full[:cut])
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert [t for o in outputs for t in o.new_token_ids] == full[cut:], cut
+        assert outputs[-1].token_ids == full and outputs[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="already has 24"):
+        engine.add_request("done", prompt, params, output_token_ids=full)

@@ -25,7 +25,7 @@ from worker.model.config import ModelConfig
 from worker.model.weights import load_model, resolve_dtype
 from worker.model_runner import ModelRunner, SequenceStep
 from worker.request import Request, RequestStatus
-from worker.sampler import Sampler, make_generator
+from worker.sampler import Sampler, make_generator, token_seed
 from worker.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
 
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejectedError", "SamplingParams"]
@@ -141,16 +141,26 @@ class Engine:
 
     # ---- the per-step API -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
-        """Queue a request. Raises RequestRejectedError (a ValueError) for one that can never run."""
+                    priority: int = 0, output_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request. Raises RequestRejectedError (a ValueError) for one that can never run.
+
+        `output_token_ids` resumes a request another worker started: those tokens count as
+        already generated (towards max_tokens, penalties and seeds), so the continuation is
+        the one an uninterrupted run would have produced."""
         params = params or SamplingParams()
         vocab = self.model_config.vocab_size
         prompt = list(prompt_token_ids)
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        outputs = list(output_token_ids)
+        bad = [t for t in prompt + outputs if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise RequestRejectedError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise RequestRejectedError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(outputs) >= params.max_tokens:
+            raise RequestRejectedError(f"request {request_id!r} already has {len(outputs)} of its "
+                                       f"max_tokens={params.max_tokens} output tokens")
         request = Request(request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids)
+        for token_id in outputs:
+            request.append_token(token_id)
         self.scheduler.add(request)
         if params.seed is not None:
             self._generators[request_id] = make_generator(params.seed, self.device)
@@ -177,13 +187,17 @@ class Engine:
         for item in schedule.scheduled:
             r = item.request
             start = r.num_computed_tokens
+            generator = self._generators.get(r.request_id)
+            needs_sample = start + item.num_new_tokens == r.num_tokens
+            if generator is not None and needs_sample:
+                generator.manual_seed(token_seed(r.params.seed, r.num_output_tokens))
             seqs.append(SequenceStep(
                 new_token_ids=r.token_ids[start:start + item.num_new_tokens],
                 context_len=start,
                 block_table=self.block_manager.block_table(r.request_id),
-                needs_sample=start + item.num_new_tokens == r.num_tokens,
+                needs_sample=needs_sample,
                 params=r.params,
-                generator=self._generators.get(r.request_id),
+                generator=generator,
                 token_history=r.token_ids,
             ))
         results = self.runner.execute(seqs)

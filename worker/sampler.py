@@ -17,6 +17,7 @@ __all__ = [
     "apply_repetition_penalty",
     "apply_top_k_top_p_min_p",
     "make_generator",
+    "token_seed",
 ]
 
 
@@ -29,6 +30,17 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     generator = torch.Generator(device=torch.device(device))
     generator.manual_seed(seed)
     return generator
+
+
+def token_seed(seed: int, output_index: int) -> int:
+    """The seed for a seeded request's output token number `output_index`.
+
+    Deriving each token's randomness from (seed, position) rather than from a generator's
+    running state makes a seeded request resumable: a worker that picks it up after another
+    worker died, or after a preemption, draws exactly what the first one would have."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    mixed ^= mixed >> 31
+    return mixed % MAX_SEED
 
 
 @dataclass

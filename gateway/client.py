@@ -1,0 +1,118 @@
+"""`python -m gateway.client "Once upon a time" --max-tokens 64`: stream a completion to the terminal.
+
+`python -m gateway.client status` prints each worker's health, load and memory as a table.
+Flags cover chat (`--chat`, `--system`), priority, sampling and a timeout. Exit status is 0 on
+success, 1 on a gRPC error (its status and message go to stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from protos import inference_pb2, inference_pb2_grpc
+
+FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in inference_pb2.FinishReason.items()}
+
+
+def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
+    request = inference_pb2.GenerateRequest(priority=args.priority, request_id=args.request_id or "")
+    if args.chat:
+        if args.system:
+            request.messages.add(role="system", content=args.system)
+        request.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    s = request.sampling
+    s.max_tokens = args.max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(args.stop or [])
+    s.ignore_eos = args.ignore_eos
+    return request
+
+
+def generate(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        last = None
+        try:
+            for response in stub.Generate(build_request(args), timeout=args.timeout):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if last is not None and args.verbose:
+        u, t = last.usage, last.timing
+        print(f"\n[{last.request_id} on {last.worker_id}: {FINISH_NAMES[last.finish_reason]}; "
+              f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens "
+              f"({u.cached_prompt_tokens} cached); queue {t.queue_ms:.1f} ms, "
+              f"first token {t.time_to_first_token_ms:.1f} ms, total {t.total_ms:.1f} ms]", file=sys.stderr)
+    else:
+        print()
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        try:
+            cluster = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(format_status(cluster))
+    return 0
+
+
+def format_status(cluster: inference_pb2.ClusterStatus) -> str:
+    header = ("worker", "alive", "ready", "running", "waiting", "kv free/total", "memory", "level", "heartbeat",
+              "restarts")
+    rows = [header]
+    for w in cluster.workers:
+        memory = (f"{w.memory_used_bytes / 2**20:.0f}/{w.memory_limit_bytes / 2**20:.0f} MiB"
+                  if w.memory_limit_bytes else "-")
+        rows.append((w.worker_id, "yes" if w.alive else "no", "yes" if w.ready else "no", str(w.num_running),
+                     str(w.num_waiting), f"{w.kv_blocks_free}/{w.kv_blocks_total}", memory, w.memory_level or "-",
+                     f"{w.last_heartbeat_age_s:.2f} s" if w.last_heartbeat_age_s < 1e8 else "never",
+                     str(w.num_restarts)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"queued: {cluster.num_queued}{'  (draining)' if cluster.draining else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--address", default="localhost:50051")
+    common.add_argument("--timeout", type=float, default=None, help="the request's deadline in seconds")
+    if argv[:1] == ["status"]:
+        parser = argparse.ArgumentParser(prog="python -m gateway.client status", parents=[common])
+        return status(parser.parse_args(argv[1:]))
+    parser = argparse.ArgumentParser(prog="python -m gateway.client", parents=[common], description=__doc__)
+    parser.add_argument("prompt")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--priority", type=int, default=0, help="lower is served first")
+    parser.add_argument("--request-id", default=None)
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--system", default=None, help="a system message (with --chat)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print usage and timing at the end")
+    return generate(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

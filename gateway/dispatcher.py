@@ -1,0 +1,246 @@
+"""The dispatcher: queued requests out to workers in batches, worker deltas back to streams.
+
+It owns the queue, the table of live requests and the ZeroMQ socket. Batches come from one
+length bucket, go to the worker with the most room by what its heartbeats report, and never
+exceed what that worker said it can take. A worker that dies (silent heartbeats, or a new
+incarnation) has its requests requeued at the front and resumed elsewhere from the tokens
+already streamed; with no live worker left they end UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Callable
+
+import grpc
+
+from gateway.queues import LengthBucketedQueue, QueuedItem
+from gateway.streams import RequestState
+from gateway.workers import WorkerHandle, WorkerRegistry
+from protos import worker_pb2
+from shared.config import ClusterConfig
+from shared.ipc import GatewaySocket, WireError
+from shared.wire import sampling_to_wire
+
+log = logging.getLogger(__name__)
+MONITOR_INTERVAL_S = 0.05
+
+
+class Dispatcher:
+    def __init__(self, config: ClusterConfig, on_workers_changed: Callable[[], None] = lambda: None):
+        self.config = config
+        q = config.queues
+        self.queue: LengthBucketedQueue[RequestState] = LengthBucketedQueue(
+            q.bucket_bounds, q.aging_s, q.max_queued_requests, q.max_queued_tokens, fifo=q.policy == "fifo")
+        self.registry = WorkerRegistry(config.worker_ids, config.gateway.heartbeat_timeout_s)
+        self.requests: dict[str, RequestState] = {}  # every request not yet finished
+        self.socket: GatewaySocket | None = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._on_workers_changed = on_workers_changed
+        self._liveness: dict[str, tuple[bool, bool]] = {}
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.socket = GatewaySocket(self.config.worker_endpoint)
+        self._tasks = [asyncio.create_task(coro, name=name) for name, coro in
+                       (("recv", self._recv_loop()), ("dispatch", self._dispatch_loop()),
+                        ("monitor", self._monitor_loop()))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.socket is not None:
+            self.socket.close()
+
+    # ---- called by the servicer ------------------------------------------------------------------
+    def submit(self, state: RequestState) -> None:
+        """Queue a validated request; raises QueueFullError at the queue's bounds."""
+        item = QueuedItem(request_id=state.request_id, num_tokens=len(state.prompt_ids), priority=state.priority,
+                          arrival_s=state.arrival_s, deadline_s=state.deadline_s,
+                          max_wait_s=self.config.queues.max_wait_for(state.priority), payload=state)
+        self.queue.push(item)
+        self.requests[state.request_id] = state
+        self._wake.set()
+
+    def cancel(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request wherever it is; its worker frees its blocks after the current step."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.queue.remove(request_id)
+        if state.worker_id is not None:
+            worker = self.registry.get(state.worker_id)
+            worker.assigned.discard(request_id)
+            self._send_abort(state.worker_id, [request_id])
+        state.finish(reason, time.monotonic())
+        return True
+
+    def has_live_worker(self) -> bool:
+        return bool(self.registry.live(time.monotonic()))
+
+    # ---- worker -> gateway ---------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                envelope = await self.socket.recv()
+            except WireError as e:
+                log.warning("dropping a frame: %s", e)
+                continue
+            now = time.monotonic()
+            lost = self.registry.on_message(envelope, now)
+            if lost:
+                log.warning("%s restarted (incarnation %s); resuming %d requests", envelope.worker_id,
+                            envelope.incarnation, len(lost))
+                self._resume(lost, now)
+            kind = envelope.WhichOneof("body")
+            if kind == "outputs":
+                self._on_outputs(envelope.worker_id, envelope.outputs, now)
+            elif kind == "heartbeat":
+                self._wake.set()  # capacity may have changed
+                self._check_liveness(now)
+
+    def _on_outputs(self, worker_id: str, outputs: worker_pb2.StepOutputs, now: float) -> None:
+        stale = []
+        worker = self.registry.get(worker_id)
+        for delta in outputs.deltas:
+            state = self.requests.get(delta.request_id)
+            if state is None or state.worker_id != worker_id:
+                if not delta.finished:
+                    stale.append(delta.request_id)  # cancelled, or moved on after a false death
+                continue
+            state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+            stopped = state.on_tokens(list(delta.new_token_ids), now)
+            if stopped:
+                self._forget(state)
+                self._send_abort(worker_id, [state.request_id])
+            elif delta.finished:
+                self._forget(state)
+                state.finish(delta.finish_reason or "stop", now, error=delta.error)
+        if stale:
+            self._send_abort(worker_id, stale)
+        if any(d.finished for d in outputs.deltas):
+            worker.blocks_reserved = 0
+            self._wake.set()
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.request_id, None)
+        if state.worker_id is not None:
+            self.registry.get(state.worker_id).assigned.discard(state.request_id)
+
+    # ---- gateway -> worker -------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        window_s = self.config.queues.batch_window_ms / 1e3
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if window_s > 0:
+                await asyncio.sleep(window_s)  # let requests that arrive together leave together
+            await self._dispatch_ready()
+
+    async def _dispatch_ready(self) -> None:
+        max_batch = self.config.queues.max_batch_size
+        while len(self.queue):
+            now = time.monotonic()
+            self._expire(now)
+            worker = self._pick_worker(now)
+            if worker is None:
+                return
+            budget = {"blocks": worker.free_blocks()}
+
+            def fits(item: QueuedItem, worker=worker, budget=budget) -> bool:
+                need = worker.blocks_for(item.num_tokens + 1)
+                if need > budget["blocks"]:
+                    return False
+                budget["blocks"] -= need
+                return True
+
+            # Spread what is queued now across the workers that can take it, rather than filling
+            # one worker while another idles.
+            num_takers = max(1, sum(1 for w in self.registry.live(now) if w.can_take() and w.free_slots() > 0))
+            fair_share = -(-len(self.queue) // num_takers)
+            batch = self.queue.pop_batch(now, min(max_batch, worker.free_slots(), fair_share), fits)
+            if not batch:
+                return
+            await self._send_batch(worker, [item.payload for item in batch], now)
+
+    def _pick_worker(self, now: float) -> WorkerHandle | None:
+        return self.registry.pick(now, 1)
+
+    async def _send_batch(self, worker: WorkerHandle, states: list[RequestState], now: float) -> None:
+        wire = []
+        for state in states:
+            state.worker_id = worker.worker_id
+            state.dispatch_s = state.dispatch_s or now
+            worker.assigned.add(state.request_id)
+            worker.blocks_reserved += worker.blocks_for(len(state.prompt_ids) + 1)
+            wire.append(worker_pb2.WireRequest(
+                request_id=state.request_id, prompt_token_ids=state.prompt_ids, output_token_ids=state.output_ids,
+                sampling=sampling_to_wire(state.params), priority=0 if self.queue.fifo else state.priority))
+        sent = await self.socket.send(worker.worker_id, worker_pb2.Envelope(
+            submit=worker_pb2.SubmitBatch(requests=wire)))
+        if not sent:
+            log.warning("%s unreachable; requeueing %d requests", worker.worker_id, len(states))
+            worker.heartbeat = None
+            self._resume({s.request_id for s in states}, now)
+
+    def _send_abort(self, worker_id: str, request_ids: list[str]) -> None:
+        envelope = worker_pb2.Envelope(abort=worker_pb2.AbortRequests(request_ids=request_ids))
+        asyncio.ensure_future(self.socket.send(worker_id, envelope))
+
+    # ---- failures and time ----------------------------------------------------------------------
+    def _resume(self, request_ids: set[str], now: float) -> None:
+        for request_id in sorted(request_ids):
+            state = self.requests.get(request_id)
+            if state is None or state.is_finished:
+                continue
+            if state.worker_id is not None:
+                self.registry.get(state.worker_id).assigned.discard(request_id)
+            state.worker_id = None
+            state.num_resumes += 1
+            self.queue.push(QueuedItem(request_id=request_id, num_tokens=len(state.prompt_ids),
+                                       priority=state.priority, arrival_s=state.arrival_s,
+                                       deadline_s=state.deadline_s, payload=state), front=True)
+        self._wake.set()
+
+    def _expire(self, now: float) -> None:
+        for item in self.queue.pop_expired(now):
+            state = item.payload
+            self.requests.pop(state.request_id, None)
+            waited = now - state.arrival_s
+            why = ("its deadline passed" if item.deadline_s is not None and item.deadline_s <= now
+                   else f"the queue-time limit of {item.max_wait_s:g} s for priority {state.priority} passed")
+            state.fail(grpc.StatusCode.DEADLINE_EXCEEDED,
+                       f"request {state.request_id} waited {waited:.2f} s in the queue and {why}", now)
+
+    def _check_liveness(self, now: float) -> None:
+        dead = self.registry.reap_dead(now)
+        for worker_id, lost in dead.items():
+            log.warning("%s missed heartbeats for %.1f s; resuming its %d requests elsewhere", worker_id,
+                        self.config.gateway.heartbeat_timeout_s, len(lost))
+            self._resume(lost, now)
+        if not self.registry.live(now) and len(self.queue):
+            self._fail_all_queued(now)
+        status = {w.worker_id: (w.is_alive(self.registry.heartbeat_timeout_s, now),
+                                w.is_ready(self.registry.heartbeat_timeout_s, now))
+                  for w in self.registry.workers.values()}
+        if status != self._liveness:
+            self._liveness = status
+            self._on_workers_changed()
+
+    def _fail_all_queued(self, now: float) -> None:
+        for item in self.queue.pop_expired(math.inf):
+            self.requests.pop(item.request_id, None)
+            item.payload.fail(grpc.StatusCode.UNAVAILABLE, "no live worker is left to serve this request", now)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            now = time.monotonic()
+            self._check_liveness(now)
+            if len(self.queue):
+                self._expire(now)
+                self._wake.set()

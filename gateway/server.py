@@ -1,0 +1,227 @@
+"""The gRPC front door: a thin grpc.aio servicer over the dispatcher, plus health and reflection.
+
+Generate validates and tokenizes, queues the request and relays its stream events; a client
+that cancels or disconnects at any point costs no further compute (the handler's cleanup
+aborts it wherever it is). SIGTERM drains: new requests get UNAVAILABLE, in-flight streams
+finish within the grace period, then the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from gateway.dispatcher import Dispatcher
+from gateway.queues import QueueFullError
+from gateway.streams import RequestState
+from gateway.tokenizer import Tokenizer
+from gateway.validation import InvalidRequest, check_request_id, validate
+from protos import inference_pb2, inference_pb2_grpc
+from shared.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+_FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
+           "abort": inference_pb2.FINISH_REASON_ABORT, "error": inference_pb2.FINISH_REASON_ERROR}
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    def __init__(self, config: ClusterConfig, tokenizer: Tokenizer, dispatcher: Dispatcher):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+        self.max_model_len = config.worker.max_model_len or int(
+            tokenizer.model_config.get("max_position_embeddings", 2048))
+        self.draining = False
+        self.num_streams = 0
+        self.streams_idle = asyncio.Event()
+        self.streams_idle.set()
+
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is draining for shutdown; retry elsewhere")
+        if self.num_streams >= self.config.gateway.max_concurrent_streams:
+            await self._exhausted(context, f"the gateway already serves its maximum of "
+                                           f"{self.config.gateway.max_concurrent_streams} streams")
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        try:
+            check_request_id(request_id)
+            checked = validate(request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens)
+        except InvalidRequest as e:
+            await context.abort(e.code, e.message)
+        if request_id in self.dispatcher.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        if not self.dispatcher.has_live_worker():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests yet")
+        now = time.monotonic()
+        remaining = context.time_remaining()
+        limits = [t for t in (remaining, self.config.gateway.request_timeout_s or None) if t is not None]
+        state = RequestState(request_id=request_id, prompt_ids=checked.prompt_ids, params=checked.params,
+                             priority=checked.priority, tokenizer=self.tokenizer, arrival_s=now,
+                             deadline_s=now + min(limits) if limits else None)
+        try:
+            self.dispatcher.submit(state)
+        except QueueFullError as e:
+            await self._exhausted(context, str(e))
+        self._stream_started()
+        try:
+            async for response in self._relay(state, context):
+                yield response
+        finally:
+            # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
+            if not state.is_finished:
+                self.dispatcher.cancel(request_id)
+            self._stream_ended()
+            _log_request(state)
+
+    async def _relay(self, state: RequestState, context: grpc.aio.ServicerContext):
+        await context.send_initial_metadata((("request-id", state.request_id),))
+        while True:
+            timeout = None if state.deadline_s is None else max(0.0, state.deadline_s - time.monotonic())
+            try:
+                event = await asyncio.wait_for(state.events.get(), timeout)
+            except asyncio.TimeoutError:
+                self.dispatcher.cancel(state.request_id, reason="error")
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"request {state.request_id} passed its deadline while running")
+            if event.status is not None:
+                await context.abort(event.status, event.error)
+            response = inference_pb2.GenerateResponse(request_id=state.request_id, text=event.text,
+                                                      token_ids=event.token_ids, worker_id=state.worker_id or "")
+            if event.finish_reason is not None:
+                response.finish_reason = _FINISH[event.finish_reason]
+                response.error = event.error
+                response.usage.prompt_tokens = len(state.prompt_ids)
+                response.usage.completion_tokens = len(state.output_ids)
+                response.usage.cached_prompt_tokens = state.num_cached_tokens
+                response.timing.queue_ms = state.queue_ms
+                response.timing.time_to_first_token_ms = state.ttft_ms
+                response.timing.total_ms = ((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3
+                yield response
+                return
+            if event.text or event.token_ids:
+                yield response
+
+    async def Abort(self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        if not self.dispatcher.cancel(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no queued or running request has id {request.request_id!r}")
+        return inference_pb2.AbortResponse()
+
+    async def GetClusterStatus(self, request, context):
+        now = time.monotonic()
+        registry = self.dispatcher.registry
+        status = inference_pb2.ClusterStatus(num_queued=len(self.dispatcher.queue), draining=self.draining)
+        for worker in registry.workers.values():
+            hb = worker.heartbeat
+            entry = status.workers.add(worker_id=worker.worker_id,
+                                       alive=worker.is_alive(registry.heartbeat_timeout_s, now),
+                                       ready=worker.is_ready(registry.heartbeat_timeout_s, now),
+                                       last_heartbeat_age_s=min(worker.heartbeat_age_s(now), 1e9),
+                                       num_restarts=max(0, worker.num_incarnations - 1))
+            if hb is not None:
+                entry.num_running, entry.num_waiting = hb.num_running, hb.num_waiting
+                entry.kv_blocks_total, entry.kv_blocks_free = hb.kv_blocks_total, hb.kv_blocks_free
+                entry.kv_blocks_cached = hb.kv_blocks_cached
+                entry.memory_used_bytes, entry.memory_limit_bytes = hb.memory_used_bytes, hb.memory_limit_bytes
+                entry.memory_level, entry.device = hb.memory_level, hb.device
+        return status
+
+    async def _exhausted(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        context.set_trailing_metadata((("retry-after-ms", str(self.config.queues.retry_after_ms)),))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after "
+                                                                f"{self.config.queues.retry_after_ms} ms")
+
+    def _stream_started(self) -> None:
+        self.num_streams += 1
+        self.streams_idle.clear()
+
+    def _stream_ended(self) -> None:
+        self.num_streams -= 1
+        if self.num_streams == 0:
+            self.streams_idle.set()
+
+
+def _log_request(state: RequestState) -> None:
+    log.info(json.dumps({
+        "event": "request", "request_id": state.request_id, "worker_id": state.worker_id,
+        "finish_reason": state.finish_reason, "priority": state.priority,
+        "prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids),
+        "cached_prompt_tokens": state.num_cached_tokens, "resumes": state.num_resumes,
+        "queue_ms": round(state.queue_ms, 2), "ttft_ms": round(state.ttft_ms, 2),
+        "total_ms": round(((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3, 2)}))
+
+
+class Gateway:
+    """The gateway process: gRPC server, dispatcher and health, with a draining shutdown."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.tokenizer = Tokenizer(config.model_dir)
+        for warning in self.tokenizer.warnings:
+            log.warning("tokenizer: %s", warning)
+        self.health = health_aio.HealthServicer()
+        self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update)
+        self.servicer = InferenceServicer(config, self.tokenizer, self.dispatcher)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = self.server.add_insecure_port(f"{config.gateway.host}:{config.gateway.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.gateway.host}:{config.gateway.port}")
+        self._stopped = asyncio.Event()
+
+    def _schedule_health_update(self) -> None:
+        asyncio.ensure_future(self._update_health())
+
+    async def _update_health(self) -> None:
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        registry = self.dispatcher.registry
+        now = time.monotonic()
+        any_ready = False
+        for worker in registry.workers.values():
+            ready = worker.is_ready(registry.heartbeat_timeout_s, now)
+            any_ready |= ready
+            await self.health.set(worker.worker_id, serving if ready else not_serving)
+        overall = serving if any_ready and not self.servicer.draining else not_serving
+        await self.health.set("", overall)
+        await self.health.set(SERVICE_NAME, overall)
+
+    async def serve(self) -> int:
+        await self.dispatcher.start()
+        await self.server.start()
+        await self._update_health()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+        log.info("gateway listening on %s:%d, workers at %s", self.config.gateway.host, self.port,
+                 self.config.worker_endpoint)
+        await self._stopped.wait()
+        return 0
+
+    async def drain(self) -> None:
+        if self.servicer.draining:
+            return
+        grace = self.config.gateway.drain_grace_s
+        log.info("draining: refusing new requests; %d streams in flight, grace %.0f s", self.servicer.num_streams,
+                 grace)
+        self.servicer.draining = True
+        await self._update_health()
+        try:
+            await asyncio.wait_for(self.servicer.streams_idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("grace period over with %d streams still open; closing them", self.servicer.num_streams)
+        await self.server.stop(grace=1.0)
+        await self.dispatcher.stop()
+        self._stopped.set()

@@ -1,0 +1,116 @@
+"""One client stream's state: tokens received, text sent, stop strings, timings, its events.
+
+The dispatcher feeds worker deltas in (`on_tokens`); the servicer drains `events` and turns
+them into GenerateResponse messages. Tokens already streamed are kept so that a request
+whose worker died can resume elsewhere from exactly that point.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class StreamEvent:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" on the last event
+    error: str = ""
+    status: grpc.StatusCode | None = None  # set: end the RPC with this status instead
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    tokenizer: Tokenizer
+    deadline_s: float | None = None  # monotonic; the client's deadline
+    arrival_s: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    worker_id: str | None = None
+    dispatch_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_cached_tokens: int = 0
+    num_resumes: int = 0
+    finish_reason: str | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        self._pending_text = ""  # decoded but held back: it might be the start of a stop string
+        self._sent_text_len = 0
+        self._hold_back = max((len(s) for s in self.params.stop), default=1) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_tokens(self, token_ids: list[int], now_s: float) -> bool:
+        """Record new tokens and queue their text; True if a stop string ended the request."""
+        if self.is_finished or not token_ids:
+            return False
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        self.output_ids.extend(token_ids)
+        self._pending_text += self._detok.push(token_ids)
+        if self.params.stop:
+            cut = _first_stop(self._pending_text, self.params.stop)
+            if cut is not None:
+                self._emit(self._pending_text[:cut], token_ids)
+                self._pending_text = ""
+                self.finish("stop", now_s)
+                return True
+        keep = self._hold_back if self.params.stop else 0
+        ready = len(self._pending_text) - keep
+        text, self._pending_text = self._pending_text[:max(ready, 0)], self._pending_text[max(ready, 0):]
+        self._emit(text, token_ids)
+        return False
+
+    def _emit(self, text: str, token_ids: list[int]) -> None:
+        self._sent_text_len += len(text)
+        self.events.put_nowait(StreamEvent(text=text, token_ids=list(token_ids)))
+
+    def finish(self, reason: str, now_s: float, error: str = "") -> None:
+        """The final event: any held-back text, then the finish reason."""
+        if self.is_finished:
+            return
+        tail = ""
+        if reason != "stop" or not self.params.stop:
+            tail = self._pending_text + self._detok.flush()
+            if self.params.stop and (cut := _first_stop(tail, self.params.stop)) is not None:
+                tail, reason = tail[:cut], "stop"
+        self._pending_text = ""
+        self.finish_reason = reason
+        self.finished_s = now_s
+        self.events.put_nowait(StreamEvent(text=tail, finish_reason=reason, error=error))
+
+    def fail(self, status: grpc.StatusCode, message: str, now_s: float) -> None:
+        """End the RPC with a gRPC error status (e.g. DEADLINE_EXCEEDED, UNAVAILABLE)."""
+        if self.is_finished:
+            return
+        self.finish_reason = "error"
+        self.finished_s = now_s
+        self.events.put_nowait(StreamEvent(finish_reason="error", error=message, status=status))
+
+    @property
+    def queue_ms(self) -> float:
+        end = self.dispatch_s if self.dispatch_s is not None else (self.finished_s or time.monotonic())
+        return (end - self.arrival_s) * 1e3
+
+    @property
+    def ttft_ms(self) -> float:
+        return 0.0 if self.first_token_s is None else (self.first_token_s - self.arrival_s) * 1e3
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    positions = [i for s in stops if (i := text.find(s)) >= 0]
+    return min(positions) if positions else None

@@ -1,0 +1,180 @@
+"""The gateway's tokenizer: a model folder's Hugging Face tokenizer files, read without torch.
+
+`transformers.AutoTokenizer` imports torch whenever torch is installed, and the gateway must
+never import torch, so this reads the same files AutoTokenizer reads (`tokenizer.json` with the
+`tokenizers` library it wraps, `tokenizer_config.json` for special tokens and the chat template,
+rendered with jinja2 as transformers does); tests/test_gateway_tokenizer.py checks that both give
+identical ids, text and chat prompts. Also the incremental detokenizer used for streaming.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as RustTokenizer
+
+
+class TokenizerError(ValueError):
+    """The model folder's tokenizer is missing, unusable, or misconfigured; the message says how."""
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "</s>", "lstrip": ...} in older files
+        return value.get("content")
+    return value
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos: str | None
+    eos: str | None
+    pad: str | None
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    pad_id: int | None
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{self.model_dir} has no tokenizer.json; the gateway needs a fast (tokenizers) "
+                                 f"tokenizer saved beside the model")
+        self._tok = RustTokenizer.from_file(str(path))
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self._config = _read_json(self.model_dir / "tokenizer_config.json")
+        self.model_config = _read_json(self.model_dir / "config.json")
+        self.chat_template = self._load_chat_template()
+        self.special = self._special_tokens()
+        self.add_bos = bool(self._config.get("add_bos_token", False))
+        self.vocab_size = int(self.model_config.get("vocab_size") or self._tok.get_vocab_size(with_added_tokens=True))
+        self.warnings = self.check_special_tokens()
+
+    # ---- loading ---------------------------------------------------------------------------
+    def _load_chat_template(self) -> str | None:
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        template = self._config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    def _special_tokens(self) -> SpecialTokens:
+        generation = _read_json(self.model_dir / "generation_config.json")
+        bos = _token_content(self._config.get("bos_token"))
+        eos = _token_content(self._config.get("eos_token"))
+        pad = _token_content(self._config.get("pad_token"))
+        eos_ids: list[int] = []
+        for source in (generation.get("eos_token_id"), self.model_config.get("eos_token_id")):
+            for value in source if isinstance(source, list) else [source]:
+                if isinstance(value, int) and value not in eos_ids:
+                    eos_ids.append(value)
+        if eos is not None and (eos_id := self._tok.token_to_id(eos)) is not None and eos_id not in eos_ids:
+            eos_ids.insert(0, eos_id)
+        return SpecialTokens(bos=bos, eos=eos, pad=pad,
+                             bos_id=self._tok.token_to_id(bos) if bos else None, eos_ids=tuple(eos_ids),
+                             pad_id=self._tok.token_to_id(pad) if pad else None)
+
+    def check_special_tokens(self) -> list[str]:
+        """Refuse a tokenizer with no EOS; return warnings for softer problems."""
+        s = self.special
+        if not s.eos_ids:
+            raise TokenizerError(f"{self.model_dir}: no EOS token is defined (eos_token in tokenizer_config.json "
+                                 f"or eos_token_id in generation_config.json / config.json): generation "
+                                 f"could never stop before max_tokens")
+        warnings = []
+        if s.eos is not None and self._tok.token_to_id(s.eos) is None:
+            warnings.append(f"eos_token {s.eos!r} is not in the vocabulary")
+        if s.pad_id is None:
+            warnings.append("no pad token is defined (not needed by this server, which never pads)")
+        elif s.pad_id in s.eos_ids:
+            warnings.append(f"pad token {s.pad!r} is also an EOS token: padding would read as end of text")
+        return warnings
+
+    # ---- encode / decode -------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError(f"{self.model_dir}: the tokenizer has no chat template, so chat messages "
+                                 f"cannot be rendered; send a plain prompt instead")
+        return _compile(self.chat_template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=self.special.bos or "", eos_token=self.special.eos or "", pad_token=self.special.pad or "")
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        # The template writes any BOS itself, as apply_chat_template(tokenize=True) assumes.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a character.
+
+    It decodes a short window that starts a few tokens back (so tokenizers that strip a
+    leading space see the same context as a full decode) and holds back text that ends in
+    U+FFFD, which is how a byte-level tokenizer shows an incomplete multi-byte character.
+    """
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self._ids.extend(new_ids)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
+        text = decode(self._ids[self._prefix_offset:])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is held back, even an incomplete character."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix_text):] if len(text) > len(prefix_text) else ""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _raise_exception(message: str):
+    raise TokenizerError(f"chat template: {message}")
+
+
+def _compile(source: str) -> jinja2.Template:
+    template = _TEMPLATES.get(source)
+    if template is None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = _TEMPLATES[source] = env.from_string(source)
+    return template

@@ -1,0 +1,121 @@
+"""Turn a public GenerateRequest into a validated prompt and SamplingParams, or a clear error.
+
+Every problem raises InvalidRequest with the gRPC status to return and a message that
+names the field and the value; nothing here touches queues or workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.tokenizer import Tokenizer, TokenizerError
+from protos import inference_pb2
+from shared.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_LEN = 128
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]+$")
+
+
+class InvalidRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    num_truncated_tokens: int
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_LEN or not _REQUEST_ID.match(request_id):
+        raise _invalid(f"request_id {request_id[:40]!r} must be 1-{MAX_REQUEST_ID_LEN} characters of letters, "
+                       f"digits and ._:/@+=-")
+
+
+def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
+             default_max_tokens: int) -> ValidatedRequest:
+    prompt_ids = _prompt_ids(request, tokenizer)
+    vocab = tokenizer.vocab_size
+    if request.truncate_prompt_tokens and len(prompt_ids) > request.truncate_prompt_tokens:
+        num_truncated = len(prompt_ids) - request.truncate_prompt_tokens
+        prompt_ids = prompt_ids[num_truncated:]
+    else:
+        num_truncated = 0
+    params = _sampling(request.sampling, default_max_tokens, vocab)
+    if not request.sampling.HasField("max_tokens"):
+        # The default shrinks to fit the context; an explicit value never silently does.
+        params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, max_model_len - len(prompt_ids))))
+    if len(prompt_ids) >= max_model_len:
+        raise _invalid(f"the prompt is {len(prompt_ids)} tokens, but the model's context is {max_model_len} "
+                       f"tokens and at least one must be left to generate; shorten it or set "
+                       f"truncate_prompt_tokens")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise _invalid(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                       f"{len(prompt_ids) + params.max_tokens} exceeds the model's context of {max_model_len} "
+                       f"tokens")
+    return ValidatedRequest(prompt_ids, params, request.priority, num_truncated)
+
+
+def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    given = [name for name, present in (("prompt", request.prompt != ""),
+                                         ("prompt_token_ids", len(request.prompt_token_ids) > 0),
+                                         ("messages", len(request.messages) > 0)) if present]
+    if len(given) > 1:
+        raise _invalid(f"give exactly one of prompt, prompt_token_ids or messages; got {' and '.join(given)}")
+    if not given:
+        raise _invalid("the prompt is empty: give a non-empty prompt, prompt_token_ids or messages")
+    if given[0] == "prompt":
+        ids = tokenizer.encode(request.prompt)
+        if not ids:
+            raise _invalid("the prompt encodes to no tokens")
+        return ids
+    if given[0] == "prompt_token_ids":
+        ids = list(request.prompt_token_ids)
+        bad = [t for t in ids if t >= tokenizer.vocab_size]
+        if bad:
+            raise _invalid(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
+        return ids
+    messages = []
+    for i, m in enumerate(request.messages):
+        if m.role not in ("system", "user", "assistant"):
+            raise _invalid(f"messages[{i}].role must be system, user or assistant, got {m.role!r}")
+        messages.append({"role": m.role, "content": m.content})
+    try:
+        ids = tokenizer.encode_chat(messages)
+    except TokenizerError as e:
+        raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    if not ids:
+        raise _invalid("the chat messages render to no tokens")
+    return ids
+
+
+def _sampling(options: inference_pb2.SamplingOptions, default_max_tokens: int, vocab: int) -> SamplingParams:
+    fields = {"max_tokens": options.max_tokens if options.HasField("max_tokens") else default_max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        if options.HasField(name):
+            fields[name] = getattr(options, name)
+    if options.HasField("temperature") and options.temperature == 0:
+        fields["temperature"] = 0.0
+    if any(s == "" for s in options.stop):
+        raise _invalid("stop strings must be non-empty")
+    bad = [t for t in options.stop_token_ids if t >= vocab]
+    if bad:
+        raise _invalid(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    fields.update(stop=tuple(options.stop), stop_token_ids=tuple(options.stop_token_ids),
+                  ignore_eos=options.ignore_eos)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise _invalid(str(e)) from None

@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WireSampling(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class WireRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: WireSampling
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WireSampling, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SubmitBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[WireRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[WireRequest, _Mapping]]] = ...) -> None: ...
+
+class AbortRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Probe(_message.Message):
+    __slots__ = ("probe_id", "deep")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEEP_FIELD_NUMBER: _ClassVar[int]
+    probe_id: int
+    deep: bool
+    def __init__(self, probe_id: _Optional[int] = ..., deep: _Optional[bool] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    finish_reason: str
+    error: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("deltas", "step_ms")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[TokenDelta]
+    step_ms: float
+    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    max_queued: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    block_size: int
+    max_model_len: int
+    memory_used_bytes: int
+    memory_limit_bytes: int
+    memory_level: str
+    last_step_age_s: float
+    device: str
+    vocab_size: int
+    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("probe_id", "ok", "error", "latency_ms")
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    probe_id: int
+    ok: bool
+    error: str
+    latency_ms: float
+    def __init__(self, probe_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., latency_ms: _Optional[float] = ...) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    worker_id: str
+    incarnation: str
+    submit: SubmitBatch
+    abort: AbortRequests
+    probe: Probe
+    outputs: StepOutputs
+    heartbeat: Heartbeat
+    probe_reply: ProbeReply
+    def __init__(self, version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., submit: _Optional[_Union[SubmitBatch, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe_reply: _Optional[_Union[ProbeReply, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,248 @@
+"""The cluster's configuration: frozen, validated dataclasses loaded from TOML.
+
+Every value can be overridden on the command line with a flag named after it
+(`--gateway.port 50052`, `--queues.bucket_bounds "[64, 256]"`, `--model_dir ...`);
+`add_config_flags` and `load_config` implement that once for every process. Stdlib only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or flag that is malformed, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    worker_endpoint: str = ""  # "" = ipc://<run_dir>/gateway.ipc; tcp://host:port by config
+    heartbeat_timeout_s: float = 1.0  # no heartbeat for this long: the worker is dead
+    drain_grace_s: float = 30.0  # SIGTERM: how long in-flight streams may run on
+    default_max_tokens: int = 64
+    request_timeout_s: float = 0.0  # 0 = only the client's own deadline applies
+    max_concurrent_streams: int = 1024
+
+    def validate(self) -> None:
+        _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
+        _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
+        _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
+        _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
+        _check(self.request_timeout_s >= 0, "gateway.request_timeout_s", self.request_timeout_s, ">= 0")
+        _check(self.max_concurrent_streams >= 1, "gateway.max_concurrent_streams", self.max_concurrent_streams,
+               ">= 1")
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    bucket_bounds: tuple[int, ...] = (128, 512, 2048)  # prompt-token upper bounds; one more bucket above
+    max_queued_requests: int = 512
+    max_queued_tokens: int = 1 << 20  # prompt tokens across every queued request
+    aging_s: float = 5.0  # every aging_s in the queue counts as one priority level better
+    # (priority_at_most, max_wait_s) pairs: a request of priority p gets the first pair with p <= bound.
+    # A request still queued after max_wait_s fails with DEADLINE_EXCEEDED. Empty: no limit.
+    max_queue_wait_s: tuple[tuple[int, float], ...] = ()
+    batch_window_ms: float = 2.0  # requests arriving within this window are dispatched together
+    max_batch_size: int = 16
+    retry_after_ms: int = 1000  # the hint sent with RESOURCE_EXHAUSTED
+    # "priority": length buckets x (priority, deadline, arrival); "fifo": one queue in arrival
+    # order, priorities ignored (the baseline the benchmark compares against).
+    policy: str = "priority"
+
+    def validate(self) -> None:
+        _check(self.policy in ("priority", "fifo"), "queues.policy", self.policy, '"priority" or "fifo"')
+        bounds = self.bucket_bounds
+        _check(all(b >= 1 for b in bounds) and list(bounds) == sorted(set(bounds)), "queues.bucket_bounds",
+               bounds, "strictly increasing positive token counts")
+        _check(self.max_queued_requests >= 1, "queues.max_queued_requests", self.max_queued_requests, ">= 1")
+        _check(self.max_queued_tokens >= 1, "queues.max_queued_tokens", self.max_queued_tokens, ">= 1")
+        _check(self.aging_s > 0, "queues.aging_s", self.aging_s, "> 0")
+        _check(all(len(p) == 2 and p[1] > 0 for p in self.max_queue_wait_s), "queues.max_queue_wait_s",
+               self.max_queue_wait_s, "a list of [priority_at_most, seconds > 0] pairs")
+        _check(self.batch_window_ms >= 0, "queues.batch_window_ms", self.batch_window_ms, ">= 0")
+        _check(self.max_batch_size >= 1, "queues.max_batch_size", self.max_batch_size, ">= 1")
+        _check(self.retry_after_ms >= 0, "queues.retry_after_ms", self.retry_after_ms, ">= 0")
+
+    def max_wait_for(self, priority: int) -> float | None:
+        for bound, wait_s in sorted(self.max_queue_wait_s):
+            if priority <= bound:
+                return float(wait_s)
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    device: str = "auto"
+    dtype: str = ""  # "" = float32 on CPU, the checkpoint's half type on CUDA
+    num_threads: int = 0  # torch CPU threads; 0 = the host's cores split evenly between workers
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0 = size the pool from memory
+    kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 32
+    max_queued: int = 8  # requests a worker holds waiting beyond max_num_seqs
+    max_num_batched_tokens: int = 1024
+    max_prefill_chunk_tokens: int = 0  # 0 = no cap beyond the token budget
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    heartbeat_interval_s: float = 0.2
+    memory_limit_bytes: int = 0  # 0 = the device's memory (CUDA) or the host's (CPU)
+    restart_backoff_s: float = 0.5  # supervisor: first delay before a restart, doubled per quick crash
+    max_restart_backoff_s: float = 10.0
+    cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the model process
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check(getattr(self, name) >= 1, f"worker.{name}", getattr(self, name), ">= 1")
+        for name in ("num_threads", "num_kv_blocks", "kv_cache_bytes", "max_queued", "max_prefill_chunk_tokens",
+                     "max_model_len", "memory_limit_bytes"):
+            _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), ">= 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "worker.gpu_memory_utilization",
+               self.gpu_memory_utilization, "in (0, 1]")
+        _check(self.heartbeat_interval_s > 0, "worker.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")
+        _check(0 < self.restart_backoff_s <= self.max_restart_backoff_s, "worker.restart_backoff_s",
+               self.restart_backoff_s, "in (0, max_restart_backoff_s]")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model_dir: str = "models/default"
+    num_workers: int = 2  # worker ids are worker-0 .. worker-{n-1}
+    run_dir: str = ".run"  # ipc:// sockets live here
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    queues: QueueConfig = field(default_factory=QueueConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def validate(self) -> None:
+        _check(self.num_workers >= 1, "num_workers", self.num_workers, ">= 1")
+        _check(bool(self.model_dir), "model_dir", self.model_dir, "a model folder")
+        self.gateway.validate()
+        self.queues.validate()
+        self.worker.validate()
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [f"worker-{i}" for i in range(self.num_workers)]
+
+    @property
+    def worker_endpoint(self) -> str:
+        return self.gateway.worker_endpoint or f"ipc://{Path(self.run_dir).resolve()}/gateway.ipc"
+
+    def worker_threads(self) -> int:
+        return self.worker.num_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+
+
+# ---- loading and overriding ---------------------------------------------------------------
+_SECTIONS = {"gateway": GatewayConfig, "queues": QueueConfig, "worker": WorkerConfig}
+
+
+def _flag_names() -> list[str]:
+    names = [f.name for f in fields(ClusterConfig) if f.name not in _SECTIONS]
+    for section, cls in _SECTIONS.items():
+        names += [f"{section}.{f.name}" for f in fields(cls)]
+    return names
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE` plus one `--<name>` flag per config value (dotted for sections)."""
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    group = parser.add_argument_group("config overrides (TOML literals; plain words are strings)")
+    for name in _flag_names():
+        spellings = sorted({f"--{name}", f"--{name.replace('_', '-')}"})
+        group.add_argument(*spellings, dest=f"cfg:{name}", default=None, metavar="VALUE")
+
+
+def load_config(path: Path | str | None = None, overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read TOML (if given), apply dotted-name overrides, convert types and validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+    for name, value in (overrides or {}).items():
+        *section, key = name.split(".")
+        target = data.setdefault(section[0], {}) if section else data
+        target[key] = value
+    config = _build(ClusterConfig, data, "")
+    config.validate()
+    return config
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    overrides = {k[4:]: _parse_literal(v) for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
+    return load_config(args.config, overrides)
+
+
+def _parse_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build(cls, data: dict[str, Any], prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a table, got {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown config keys {[prefix + u for u in unknown]}; known: {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        if name in _SECTIONS and cls is ClusterConfig:
+            values[name] = _build(_SECTIONS[name], value, f"{name}.")
+        else:
+            values[name] = _convert(hints[name], value, prefix + name)
+    return cls(**values)
+
+
+def _convert(hint, value: Any, name: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, name) for v in value)
+        if len(args) != len(value):
+            raise ConfigError(f"{name} must have {len(args)} items, got {value!r}")
+        return tuple(_convert(a, v, name) for a, v in zip(args, value))
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def as_dict(config: ClusterConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,131 @@
+"""ZeroMQ, wrapped once: the envelope codec and the two socket roles of the wire.
+
+The gateway binds one ROUTER socket; each worker connects a DEALER whose routing id is its
+worker id (so the gateway can address it), and a worker's heartbeat thread connects a second,
+anonymous DEALER (sockets are not thread-safe). Every frame is one `worker_pb2.Envelope`;
+nothing is ever pickled. No torch and no grpc here.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from protos import worker_pb2
+
+WIRE_VERSION = 1
+# Unix socket paths are limited to about 107 bytes; ZeroMQ fails obscurely past that.
+_MAX_IPC_PATH = 100
+
+
+class WireError(ValueError):
+    """A frame that is not a valid envelope of our wire version."""
+
+
+def new_incarnation() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def encode(envelope: worker_pb2.Envelope) -> bytes:
+    envelope.version = WIRE_VERSION
+    return envelope.SerializeToString()
+
+
+def decode(frame: bytes) -> worker_pb2.Envelope:
+    envelope = worker_pb2.Envelope()
+    try:
+        envelope.ParseFromString(frame)
+    except Exception as e:  # protobuf raises DecodeError, a Message error subclass
+        raise WireError(f"undecodable frame of {len(frame)} bytes: {e}") from None
+    if envelope.version != WIRE_VERSION:
+        raise WireError(f"wire version {envelope.version} from {envelope.worker_id or '?'}; "
+                        f"this process speaks {WIRE_VERSION}")
+    if envelope.WhichOneof("body") is None:
+        raise WireError(f"envelope from {envelope.worker_id or '?'} has no body")
+    return envelope
+
+
+def check_endpoint(endpoint: str) -> str:
+    if endpoint.startswith("ipc://"):
+        path = Path(endpoint[len("ipc://"):])
+        if len(str(path)) > _MAX_IPC_PATH:
+            raise ValueError(f"ipc endpoint path is {len(str(path))} bytes, over the {_MAX_IPC_PATH}-byte "
+                             f"limit of unix sockets: {path}; use a shorter run_dir")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    elif not endpoint.startswith("tcp://"):
+        raise ValueError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")
+    return endpoint
+
+
+class GatewaySocket:
+    """The gateway's ROUTER: receives every worker's frames, sends to a worker by id."""
+
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None):
+        self._context = context or zmq.asyncio.Context.instance()
+        self.socket = self._context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # A restarted worker reconnects with the same id: let it take the id over at once.
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Sending to a worker that is not connected raises instead of dropping silently.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.bind(check_endpoint(endpoint))
+        self.endpoint = endpoint
+
+    async def recv(self) -> worker_pb2.Envelope:
+        _identity, frame = await self.socket.recv_multipart()
+        return decode(frame)
+
+    async def send(self, worker_id: str, envelope: worker_pb2.Envelope) -> bool:
+        """False when the worker is not connected (the caller treats it as gone)."""
+        try:
+            await self.socket.send_multipart([worker_id.encode(), encode(envelope)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+
+
+class WorkerSocket:
+    """One DEALER connected to the gateway; blocking API for the worker's threads."""
+
+    def __init__(self, endpoint: str, worker_id: str, incarnation: str, routed: bool = True,
+                 context: zmq.Context | None = None):
+        self._context = context or zmq.Context.instance()
+        self.socket = self._context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if routed:
+            self.socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
+        self.socket.connect(check_endpoint(endpoint))
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+
+    def envelope(self) -> worker_pb2.Envelope:
+        return worker_pb2.Envelope(worker_id=self.worker_id, incarnation=self.incarnation)
+
+    def send(self, envelope: worker_pb2.Envelope) -> None:
+        envelope.worker_id = self.worker_id
+        envelope.incarnation = self.incarnation
+        self.socket.send(encode(envelope))
+
+    def recv_all(self, timeout_s: float) -> list[worker_pb2.Envelope]:
+        """Every frame waiting now, waiting up to timeout_s for the first."""
+        frames = []
+        if self.socket.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    frames.append(decode(self.socket.recv(flags=zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return frames
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

@@ -1,0 +1,70 @@
+"""Cluster config: TOML loading, flag overrides for every value, and errors that name the key."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_the_shipped_config_loads_and_is_frozen():
+    config = load_config(ROOT / "configs" / "default.toml")
+    assert config.num_workers == 2 and config.gateway.port == 50051
+    assert config.queues.bucket_bounds == (128, 512, 2048)
+    assert config.queues.max_wait_for(-1) == 2.0 and config.queues.max_wait_for(0) is None
+    with pytest.raises(AttributeError):
+        config.gateway.port = 1  # frozen
+
+
+def test_every_value_has_a_flag_and_flags_override_the_file():
+    config = parse(["--config", str(ROOT / "configs" / "default.toml"), "--gateway.port", "6000",
+                    "--queues.bucket_bounds", "[64, 256]", "--worker.enable_prefix_caching", "false",
+                    "--model-dir", "/models/x", "--queues.policy", "fifo", "--num_workers", "3"])
+    assert config.gateway.port == 6000 and config.queues.bucket_bounds == (64, 256)
+    assert config.worker.enable_prefix_caching is False and config.model_dir == "/models/x"
+    assert config.queues.policy == "fifo" and config.worker_ids == ["worker-0", "worker-1", "worker-2"]
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    flags = {a.dest for a in parser._actions}
+    for section in ("gateway", "queues", "worker"):
+        for name in getattr(ClusterConfig(), section).__dataclass_fields__:
+            assert f"cfg:{section}.{name}" in flags
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"gateway.port": 70000}, "gateway.port"),
+    ({"gateway.portt": 1}, "unknown config keys ['gateway.portt']"),
+    ({"queues.bucket_bounds": [512, 128]}, "strictly increasing"),
+    ({"worker.max_num_seqs": 0}, "worker.max_num_seqs"),
+    ({"worker.max_num_seqs": "many"}, "must be an integer"),
+    ({"queues.policy": "lifo"}, "queues.policy"),
+    ({"queues.max_queue_wait_s": [[0, -1.0]]}, "queues.max_queue_wait_s"),
+    ({"num_workers": 0}, "num_workers"),
+])
+def test_bad_values_are_refused_by_name(overrides, words):
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, overrides)
+
+
+def test_unreadable_file_is_a_config_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = = 3")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(bad)
+
+
+def test_cpu_threads_are_split_between_workers(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert load_config(None, {"num_workers": 2}).worker_threads() == 4
+    assert load_config(None, {"num_workers": 16}).worker_threads() == 1
+    assert load_config(None, {"worker.num_threads": 3}).worker_threads() == 3

@@ -1,0 +1,88 @@
+"""The gateway's torch-free tokenizer agrees with transformers' AutoTokenizer; streaming text never
+splits a character; stop strings cut the text where they start."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.streams import RequestState
+from gateway.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from shared.sampling_params import SamplingParams
+
+TEXTS = ["Once upon a time", "héllo wörld — naïve café", "日本語のテキスト 🙂 ✓", "  leading spaces\nand lines"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served_checkpoint):
+    return Tokenizer(served_checkpoint)
+
+
+def test_encode_decode_and_chat_match_autotokenizer(tokenizer, served_checkpoint):
+    from transformers import AutoTokenizer
+    reference = AutoTokenizer.from_pretrained(served_checkpoint, local_files_only=True)
+    for text in TEXTS:
+        assert tokenizer.encode(text) == reference.encode(text)
+        ids = reference.encode(text)
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    assert tokenizer.render_chat(messages) == reference.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
+    assert tokenizer.special.eos_ids == (reference.eos_token_id,)
+    assert tokenizer.special.pad_id == reference.pad_token_id != reference.eos_token_id
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_never_splits_a_character(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens here
+    detok = IncrementalDetokenizer(tokenizer, [])
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_detokenizer_starts_from_the_prompt_context(tokenizer):
+    prompt, completion = tokenizer.encode("Once upon"), tokenizer.encode(" a time")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detok.push([i]) for i in completion) + detok.flush()
+    assert text == tokenizer.decode(prompt + completion)[len(tokenizer.decode(prompt)):]
+
+
+def _stream(tokenizer, stop, ids):
+    state = RequestState(request_id="r", prompt_ids=[5], params=SamplingParams(stop=stop, max_tokens=100),
+                         priority=0, tokenizer=tokenizer)
+    stopped = False
+    for i in ids:
+        stopped = state.on_tokens([i], 0.0)
+        if stopped:
+            break
+    if not stopped:
+        state.finish("length", 0.0)
+    events = []
+    while not state.events.empty():
+        events.append(state.events.get_nowait())
+    return "".join(e.text for e in events), events[-1].finish_reason
+
+
+def test_stop_string_cuts_text_and_is_never_streamed_partially(tokenizer):
+    ids = tokenizer.encode("The quick brown fox jumps")
+    text, reason = _stream(tokenizer, ("brown",), ids)
+    assert (text, reason) == ("The quick ", "stop")
+    text, reason = _stream(tokenizer, ("absent",), ids)
+    assert (text, reason) == ("The quick brown fox jumps", "length")
+
+
+def test_missing_eos_is_refused_clearly(tmp_path, served_checkpoint):
+    for name in ("tokenizer.json", "config.json"):
+        (tmp_path / name).write_bytes((served_checkpoint / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("eos_token_id")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
+    with pytest.raises(TokenizerError, match="no EOS token"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "</s>"}))
+    assert any("also an EOS token" in w for w in Tokenizer(tmp_path).warnings)
+    with pytest.raises(TokenizerError, match="no chat template"):
+        Tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])
