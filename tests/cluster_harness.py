@@ -94,8 +94,8 @@ class Cluster:
         last = None
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
-                if proc.poll() is not None and name == "gateway":
-                    raise RuntimeError(f"gateway exited {proc.returncode}:\n{self.logs('gateway')}")
+                if proc.poll() is not None and name in ("gateway", "honcho"):
+                    raise RuntimeError(f"{name} exited {proc.returncode}:\n{self.logs(name)}")
             try:
                 last = self.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=2)
                 if sum(w.ready for w in last.workers) >= num_ready:

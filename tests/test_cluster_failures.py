@@ -1,0 +1,154 @@
+"""Failures: kill -9 of a worker mid-stream, SIGTERM drain of the gateway, and the whole
+cluster under `honcho start` surviving a crashed model process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+
+from cluster_harness import ROOT, Cluster, _kill_group, generate
+from protos import inference_pb2
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def run_streams(cluster, requests: dict[str, dict], results: dict) -> list[threading.Thread]:
+    def client(name, fields):
+        try:
+            results[name] = generate(cluster.stub, timeout=120, **fields)
+        except grpc.RpcError as e:
+            results[name] = e
+
+    threads = [threading.Thread(target=client, args=item) for item in requests.items()]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_kill_9_of_a_worker_mid_stream_resumes_every_stream_elsewhere(served_checkpoint):
+    requests = {f"greedy-{i}": dict(prompt_token_ids=[5 + i, 6, 7, 8], sampling=dict(
+        max_tokens=160, temperature=0.0, ignore_eos=True)) for i in range(4)}
+    requests.update({f"seeded-{i}": dict(prompt_token_ids=[9, 10 + i], sampling=dict(
+        max_tokens=160, temperature=1.0, seed=100 + i, ignore_eos=True)) for i in range(4)})
+    with Cluster(served_checkpoint, num_workers=2, supervised=True) as cluster:
+        reference: dict = {}
+        for t in run_streams(cluster, requests, reference):
+            t.join(timeout=120)
+        assert all(not isinstance(r, Exception) for r in reference.values()), reference
+        results: dict = {}
+        threads = run_streams(cluster, requests, results)
+        deadline = time.monotonic() + 30
+        while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [victim] = cluster.model_pids("worker-0")
+        time.sleep(0.2)  # mid-stream
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        deadline = time.monotonic() + 10
+        while cluster.status().workers[0].alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert time.monotonic() - killed_at < 2.0, "the gateway took over 2 s to notice"
+        for t in threads:
+            t.join(timeout=120)
+        for name, want in reference.items():
+            got = results[name]
+            assert not isinstance(got, Exception), (name, got)
+            assert got[0] == want[0], name  # no gap, no duplicate, same tokens
+            assert got[1] == want[1]
+        # The supervisor restarted the model process; it rejoins and is used again.
+        status = cluster.wait_ready(2, timeout_s=120)
+        assert status.workers[0].num_restarts >= 1
+        assert cluster.model_pids("worker-0") and cluster.model_pids("worker-0") != [victim]
+        used = set()
+        for i in range(6):
+            used.add(generate(cluster.stub, prompt_token_ids=[30 + i], sampling=dict(max_tokens=2))[2].worker_id)
+            if "worker-0" in used:
+                break
+        assert "worker-0" in used
+
+
+def test_streams_end_unavailable_when_no_worker_is_left(served_checkpoint):
+    with Cluster(served_checkpoint, num_workers=1) as cluster:
+        results: dict = {}
+        threads = run_streams(cluster, {"only": dict(prompt_token_ids=[5, 6], sampling=dict(
+            max_tokens=480, ignore_eos=True))}, results)
+        deadline = time.monotonic() + 30
+        while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _kill_group(cluster.procs["worker-0"], signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=30)
+        assert isinstance(results["only"], grpc.RpcError)
+        assert results["only"].code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as e:
+            generate(cluster.stub, prompt="x", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sigterm_drains_the_gateway(served_checkpoint):
+    with Cluster(served_checkpoint, num_workers=1, sections={"gateway": {"drain_grace_s": 60.0}}) as cluster:
+        results: dict = {}
+        threads = run_streams(cluster, {f"s{i}": dict(prompt_token_ids=[5, i + 6], sampling=dict(
+            max_tokens=200, temperature=0.0, ignore_eos=True)) for i in range(3)}, results)
+        deadline = time.monotonic() + 30
+        while cluster.status().workers[0].num_running < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gateway = cluster.procs["gateway"]
+        gateway.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(cluster.stub, prompt="x", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        for t in threads:
+            t.join(timeout=60)
+        for name, got in results.items():
+            assert not isinstance(got, Exception), (name, got)
+            assert len(got[0]) == 200 and got[2].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+        assert gateway.wait(timeout=30) == 0
+
+
+def test_honcho_start_keeps_the_cluster_up_when_a_model_process_dies(served_checkpoint, tmp_path):
+    cluster = Cluster(served_checkpoint, num_workers=2)  # used for its config, channel and helpers only
+    python = sys.executable
+    config = cluster.config_path
+    procfile = cluster.run_dir / "Procfile"
+    procfile.write_text(
+        f"gateway: {python} -m gateway --config {config}\n"
+        f"worker0: {python} -m worker.supervisor --config {config} --worker-id worker-0\n"
+        f"worker1: {python} -m worker.supervisor --config {config} --worker-id worker-1\n")
+    log = open(cluster.run_dir / "honcho.log", "wb")
+    honcho = subprocess.Popen([python, "-m", "honcho", "start", "-f", str(procfile), "-d", str(ROOT)],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cluster.procs["honcho"] = honcho
+    try:
+        cluster.channel = grpc.insecure_channel(cluster.address)
+        from protos import inference_pb2_grpc
+        cluster.stub = inference_pb2_grpc.InferenceServiceStub(cluster.channel)
+        cluster.wait_ready(2)
+        [victim] = cluster.model_pids("worker-0")
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(1.0)
+        assert honcho.poll() is None, "honcho stopped the cluster"
+        ids, _, _ = generate(cluster.stub, prompt="still up", sampling=dict(max_tokens=3))
+        assert ids
+        status = cluster.wait_ready(2)
+        assert status.workers[0].num_restarts >= 1
+        # Stopping honcho stops everything: supervisors pass SIGTERM on to their model processes.
+        honcho.send_signal(signal.SIGTERM)
+        honcho.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (cluster.model_pids("worker-0") or cluster.model_pids("worker-1")):
+            time.sleep(0.1)
+        assert not cluster.model_pids("worker-0") and not cluster.model_pids("worker-1")
+        leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(config) in (p.info["cmdline"] or [])]
+        assert not leftovers
+    finally:
+        cluster.stop()
+        log.close()
