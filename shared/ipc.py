@@ -19,6 +19,9 @@ from protos import worker_pb2
 WIRE_VERSION = 1
 # Unix socket paths are limited to about 107 bytes; ZeroMQ fails obscurely past that.
 _MAX_IPC_PATH = 100
+# A worker never blocks for long on a gateway that is gone: what it would have sent is moot,
+# and a blocked send would keep it from noticing SIGTERM.
+WORKER_SEND_TIMEOUT_MS = 1000
 
 
 class WireError(ValueError):
@@ -102,6 +105,10 @@ class WorkerSocket:
         self._context = context or zmq.Context.instance()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, WORKER_SEND_TIMEOUT_MS)
+        # Queue only on a live connection: heartbeats and deltas kept for a gateway that is not
+        # there would reach its successor stale.
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)
         if routed:
             self.socket.setsockopt(zmq.ROUTING_ID, worker_id.encode())
         self.socket.connect(check_endpoint(endpoint))
@@ -111,10 +118,15 @@ class WorkerSocket:
     def envelope(self) -> worker_pb2.Envelope:
         return worker_pb2.Envelope(worker_id=self.worker_id, incarnation=self.incarnation)
 
-    def send(self, envelope: worker_pb2.Envelope) -> None:
+    def send(self, envelope: worker_pb2.Envelope) -> bool:
+        """False when the gateway is unreachable and the frame was dropped."""
         envelope.worker_id = self.worker_id
         envelope.incarnation = self.incarnation
-        self.socket.send(encode(envelope))
+        try:
+            self.socket.send(encode(envelope))
+            return True
+        except zmq.Again:
+            return False
 
     def recv_all(self, timeout_s: float) -> list[worker_pb2.Envelope]:
         """Every frame waiting now, waiting up to timeout_s for the first."""
