@@ -55,15 +55,17 @@ class AbortRequests(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Probe(_message.Message):
-    __slots__ = ("probe_id", "deep")
+    __slots__ = ("probe_id", "deep", "memory_report")
     PROBE_ID_FIELD_NUMBER: _ClassVar[int]
     DEEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_REPORT_FIELD_NUMBER: _ClassVar[int]
     probe_id: int
     deep: bool
-    def __init__(self, probe_id: _Optional[int] = ..., deep: _Optional[bool] = ...) -> None: ...
+    memory_report: bool
+    def __init__(self, probe_id: _Optional[int] = ..., deep: _Optional[bool] = ..., memory_report: _Optional[bool] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "worker_queue_ms", "prefill_ms", "num_preemptions", "peak_kv_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,10 @@ class TokenDelta(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
@@ -78,7 +84,11 @@ class TokenDelta(_message.Message):
     error: str
     num_prompt_tokens: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    worker_queue_ms: float
+    prefill_ms: float
+    num_preemptions: int
+    peak_kv_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., worker_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., peak_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("deltas", "step_ms")
@@ -89,7 +99,7 @@ class StepOutputs(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size")
+    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining")
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +116,20 @@ class Heartbeat(_message.Message):
     LAST_STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OOM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    IS_HUNG_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     num_running: int
     num_waiting: int
@@ -122,19 +146,35 @@ class Heartbeat(_message.Message):
     last_step_age_s: float
     device: str
     vocab_size: int
-    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    memory_allocated_bytes: int
+    memory_reserved_bytes: int
+    memory_peak_bytes: int
+    memory_resident_bytes: int
+    device_free_bytes: int
+    fragmentation_bytes: int
+    utilization_percent: float
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+    num_oom_recoveries: int
+    is_hung: bool
+    is_draining: bool
+    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ...) -> None: ...
 
 class ProbeReply(_message.Message):
-    __slots__ = ("probe_id", "ok", "error", "latency_ms")
+    __slots__ = ("probe_id", "ok", "error", "latency_ms", "memory_report")
     PROBE_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_REPORT_FIELD_NUMBER: _ClassVar[int]
     probe_id: int
     ok: bool
     error: str
     latency_ms: float
-    def __init__(self, probe_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., latency_ms: _Optional[float] = ...) -> None: ...
+    memory_report: str
+    def __init__(self, probe_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., latency_ms: _Optional[float] = ..., memory_report: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply")
