@@ -176,8 +176,14 @@ class ProbeReply(_message.Message):
     memory_report: str
     def __init__(self, probe_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., latency_ms: _Optional[float] = ..., memory_report: _Optional[str] = ...) -> None: ...
 
+class WorkerExit(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class Envelope(_message.Message):
-    __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply")
+    __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply", "exit")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +193,7 @@ class Envelope(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROBE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
     version: int
     worker_id: str
     incarnation: str
@@ -196,4 +203,5 @@ class Envelope(_message.Message):
     outputs: StepOutputs
     heartbeat: Heartbeat
     probe_reply: ProbeReply
-    def __init__(self, version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., submit: _Optional[_Union[SubmitBatch, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe_reply: _Optional[_Union[ProbeReply, _Mapping]] = ...) -> None: ...
+    exit: WorkerExit
+    def __init__(self, version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., submit: _Optional[_Union[SubmitBatch, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe_reply: _Optional[_Union[ProbeReply, _Mapping]] = ..., exit: _Optional[_Union[WorkerExit, _Mapping]] = ...) -> None: ...

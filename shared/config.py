@@ -31,6 +31,9 @@ class GatewayConfig:
     default_max_tokens: int = 64
     request_timeout_s: float = 0.0  # 0 = only the client's own deadline applies
     max_concurrent_streams: int = 1024
+    metrics_port: int = 8000  # Prometheus /metrics over HTTP; 0 = off
+    metrics_host: str = "0.0.0.0"
+    probe_timeout_s: float = 10.0  # ProbeWorker: how long to wait for the worker's reply
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
@@ -38,6 +41,8 @@ class GatewayConfig:
         _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
         _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
         _check(self.request_timeout_s >= 0, "gateway.request_timeout_s", self.request_timeout_s, ">= 0")
+        _check(0 <= self.metrics_port < 65536, "gateway.metrics_port", self.metrics_port, "in [0, 65535]")
+        _check(self.probe_timeout_s > 0, "gateway.probe_timeout_s", self.probe_timeout_s, "> 0")
         _check(self.max_concurrent_streams >= 1, "gateway.max_concurrent_streams", self.max_concurrent_streams,
                ">= 1")
 

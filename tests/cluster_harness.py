@@ -41,9 +41,9 @@ def _toml_value(value) -> str:
 
 
 def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_workers: int,
-                 sections: dict[str, dict] | None = None) -> Path:
+                 sections: dict[str, dict] | None = None, metrics_port: int = 0) -> Path:
     sections = {k: dict(v) for k, v in (sections or {}).items()}
-    gateway = {"host": "127.0.0.1", "port": port, **sections.pop("gateway", {})}
+    gateway = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port, **sections.pop("gateway", {})}
     worker = {"num_threads": 1, "num_kv_blocks": 128, **sections.pop("worker", {})}
     lines = [f'model_dir = "{model_dir}"', f"num_workers = {num_workers}", f'run_dir = "{run_dir}"']
     for name, values in (("gateway", gateway), ("worker", worker), *sections.items()):
@@ -59,10 +59,11 @@ class Cluster:
         self.run_dir = Path(tempfile.mkdtemp(prefix="ic-"))
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
         self.num_workers = num_workers
         self.supervised = supervised
         self.config_path = write_config(self.run_dir / "cluster.toml", model_dir, self.run_dir, self.port,
-                                        num_workers, sections)
+                                        num_workers, sections, self.metrics_port)
         self.procs: dict[str, subprocess.Popen] = {}
         self.channel: grpc.Channel | None = None
         self.stub: inference_pb2_grpc.InferenceServiceStub | None = None
