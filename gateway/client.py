@@ -1,6 +1,7 @@
 """`python -m gateway.client "Once upon a time" --max-tokens 64`: stream a completion to the terminal.
 
-`python -m gateway.client status` prints each worker's health, load and memory as a table.
+`python -m gateway.client status` prints each worker's health, load and memory as a table;
+`python -m gateway.client probe worker-0 --deep --memory` probes one worker.
 Flags cover chat (`--chat`, `--system`), priority, sampling and a timeout. Exit status is 0 on
 success, 1 on a gRPC error (its status and message go to stderr).
 """
@@ -70,15 +71,32 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
+def probe(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        try:
+            reply = stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(
+                worker_id=args.worker_id, deep=args.deep, memory_report=args.memory), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(f"{reply.worker_id}: {'ok' if reply.ok else 'FAILED'} in {reply.latency_ms:.1f} ms"
+          f"{' - ' + reply.error if reply.error else ''}")
+    if reply.memory_report:
+        print(reply.memory_report)
+    return 0 if reply.ok else 1
+
+
 def format_status(cluster: inference_pb2.ClusterStatus) -> str:
-    header = ("worker", "alive", "ready", "running", "waiting", "kv free/total", "memory", "level", "heartbeat",
-              "restarts")
+    header = ("worker", "alive", "ready", "running", "waiting", "kv free/total", "memory", "level", "util",
+              "heartbeat", "restarts")
     rows = [header]
     for w in cluster.workers:
         memory = (f"{w.memory_used_bytes / 2**20:.0f}/{w.memory_limit_bytes / 2**20:.0f} MiB"
                   if w.memory_limit_bytes else "-")
         rows.append((w.worker_id, "yes" if w.alive else "no", "yes" if w.ready else "no", str(w.num_running),
-                     str(w.num_waiting), f"{w.kv_blocks_free}/{w.kv_blocks_total}", memory, w.memory_level or "-",
+                     str(w.num_waiting), f"{w.kv_blocks_free}/{w.kv_blocks_total}", memory,
+                     (w.memory_level or "-") + (" HUNG" if w.hung else ""), f"{w.utilization_percent:.0f}%",
                      f"{w.last_heartbeat_age_s:.2f} s" if w.last_heartbeat_age_s < 1e8 else "never",
                      str(w.num_restarts)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -95,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["status"]:
         parser = argparse.ArgumentParser(prog="python -m gateway.client status", parents=[common])
         return status(parser.parse_args(argv[1:]))
+    if argv[:1] == ["probe"]:
+        parser = argparse.ArgumentParser(prog="python -m gateway.client probe", parents=[common])
+        parser.add_argument("worker_id")
+        parser.add_argument("--deep", action="store_true", help="run a real one-token generation")
+        parser.add_argument("--memory", action="store_true", help="print the worker's full memory report")
+        return probe(parser.parse_args(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m gateway.client", parents=[common], description=__doc__)
     parser.add_argument("prompt")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import grpc
 
+from gateway.metrics import Metrics
 from gateway.queues import LengthBucketedQueue, QueuedItem
 from gateway.streams import RequestState
 from gateway.workers import WorkerHandle, WorkerRegistry
@@ -29,8 +30,10 @@ MONITOR_INTERVAL_S = 0.05
 
 
 class Dispatcher:
-    def __init__(self, config: ClusterConfig, on_workers_changed: Callable[[], None] = lambda: None):
+    def __init__(self, config: ClusterConfig, on_workers_changed: Callable[[], None] = lambda: None,
+                 metrics: Metrics | None = None):
         self.config = config
+        self.metrics = metrics or Metrics()
         q = config.queues
         self.queue: LengthBucketedQueue[RequestState] = LengthBucketedQueue(
             q.bucket_bounds, q.aging_s, q.max_queued_requests, q.max_queued_tokens, fifo=q.policy == "fifo")
@@ -41,6 +44,8 @@ class Dispatcher:
         self._tasks: list[asyncio.Task] = []
         self._on_workers_changed = on_workers_changed
         self._liveness: dict[str, tuple[bool, bool]] = {}
+        self._probes: dict[int, asyncio.Future] = {}
+        self._probe_ids = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,6 +68,7 @@ class Dispatcher:
                           arrival_s=state.arrival_s, deadline_s=state.deadline_s,
                           max_wait_s=self.config.queues.max_wait_for(state.priority), payload=state)
         self.queue.push(item)
+        state.bucket = self.queue.bucket_of(item.num_tokens)
         self.requests[state.request_id] = state
         self._wake.set()
 
@@ -91,7 +97,11 @@ class Dispatcher:
                 log.warning("dropping a frame: %s", e)
                 continue
             now = time.monotonic()
+            worker = self.registry.get(envelope.worker_id)
+            incarnations = worker.num_incarnations
             lost = self.registry.on_message(envelope, now)
+            if worker.num_incarnations > incarnations > 0:
+                self.metrics.worker_restarts.labels(worker.worker_id).inc()
             if lost:
                 log.warning("%s restarted (incarnation %s); resuming %d requests", envelope.worker_id,
                             envelope.incarnation, len(lost))
@@ -100,7 +110,18 @@ class Dispatcher:
             if kind == "outputs":
                 self._on_outputs(envelope.worker_id, envelope.outputs, now)
             elif kind == "heartbeat":
+                self.metrics.on_heartbeat(envelope.worker_id, envelope.incarnation, envelope.heartbeat)
                 self._wake.set()  # capacity may have changed
+                self._check_liveness(now)
+            elif kind == "probe_reply":
+                future = self._probes.pop(envelope.probe_reply.probe_id, None)
+                if future is not None and not future.done():
+                    future.set_result(envelope.probe_reply)
+            elif kind == "exit":
+                log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
+                          envelope.exit.reason, len(worker.assigned))
+                lost = self.registry.mark_dead(envelope.worker_id)
+                self._resume(lost, now)
                 self._check_liveness(now)
 
     def _on_outputs(self, worker_id: str, outputs: worker_pb2.StepOutputs, now: float) -> None:
@@ -113,6 +134,15 @@ class Dispatcher:
                     stale.append(delta.request_id)  # cancelled, or moved on after a false death
                 continue
             state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+            if delta.prefill_ms:
+                state.prefill_ms, state.worker_queue_ms = delta.prefill_ms, delta.worker_queue_ms
+            state.num_preemptions = max(state.num_preemptions, delta.num_preemptions)
+            state.peak_kv_blocks = max(state.peak_kv_blocks, delta.peak_kv_blocks)
+            if delta.new_token_ids:
+                if state.last_token_s is not None:
+                    self.metrics.itl.labels(str(state.bucket)).observe(
+                        (now - state.last_token_s) / len(delta.new_token_ids))
+                self.metrics.generation_tokens.inc(len(delta.new_token_ids))
             stopped = state.on_tokens(list(delta.new_token_ids), now)
             if stopped:
                 self._forget(state)
@@ -201,6 +231,7 @@ class Dispatcher:
                 self.registry.get(state.worker_id).assigned.discard(request_id)
             state.worker_id = None
             state.num_resumes += 1
+            self.metrics.resumptions.inc()
             self.queue.push(QueuedItem(request_id=request_id, num_tokens=len(state.prompt_ids),
                                        priority=state.priority, arrival_s=state.arrival_s,
                                        deadline_s=state.deadline_s, payload=state), front=True)
@@ -229,12 +260,30 @@ class Dispatcher:
                   for w in self.registry.workers.values()}
         if status != self._liveness:
             self._liveness = status
+            for worker_id, (alive, ready) in status.items():
+                self.metrics.on_liveness(worker_id, alive, ready)
             self._on_workers_changed()
 
     def _fail_all_queued(self, now: float) -> None:
         for item in self.queue.pop_expired(math.inf):
             self.requests.pop(item.request_id, None)
             item.payload.fail(grpc.StatusCode.UNAVAILABLE, "no live worker is left to serve this request", now)
+
+    async def probe(self, worker_id: str, deep: bool, memory_report: bool, timeout_s: float
+                    ) -> worker_pb2.ProbeReply:
+        """Ask one worker for a probe reply; TimeoutError if it does not answer in time."""
+        self._probe_ids += 1
+        probe_id = self._probe_ids
+        future = asyncio.get_running_loop().create_future()
+        self._probes[probe_id] = future
+        try:
+            sent = await self.socket.send(worker_id, worker_pb2.Envelope(probe=worker_pb2.Probe(
+                probe_id=probe_id, deep=deep, memory_report=memory_report)))
+            if not sent:
+                raise ConnectionError(f"{worker_id} is not connected")
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._probes.pop(probe_id, None)
 
     async def _monitor_loop(self) -> None:
         while True:
@@ -244,3 +293,5 @@ class Dispatcher:
             if len(self.queue):
                 self._expire(now)
                 self._wake.set()
+            for bucket, size in enumerate(self.queue.bucket_sizes()):
+                self.metrics.requests_queued.labels(str(bucket)).set(size)

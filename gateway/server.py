@@ -8,7 +8,6 @@ finish within the grace period, then the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -20,7 +19,9 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from gateway.dispatcher import Dispatcher
+from gateway.metrics import Metrics
 from gateway.queues import QueueFullError
+from gateway.request_log import finish_request
 from gateway.streams import RequestState
 from gateway.tokenizer import Tokenizer
 from gateway.validation import InvalidRequest, check_request_id, validate
@@ -36,6 +37,7 @@ _FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FIN
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, config: ClusterConfig, tokenizer: Tokenizer, dispatcher: Dispatcher):
         self.config = config
+        self.metrics = dispatcher.metrics
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.max_model_len = config.worker.max_model_len or int(
@@ -46,8 +48,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.streams_idle.set()
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        state = await self._admit(request, context)
+        self._stream_started()
+        code = "OK"
+        try:
+            async for response in self._relay(state, context):
+                yield response
+        except asyncio.CancelledError:
+            code = "CANCELLED"  # the client cancelled or went away
+            raise
+        except BaseException:
+            code = context.code().name if context.code() is not None else "UNKNOWN"
+            raise
+        finally:
+            # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
+            if not state.is_finished:
+                self.dispatcher.cancel(state.request_id)
+            self._stream_ended()
+            finish_request(state, code, self.metrics)
+
+    async def _admit(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                     ) -> RequestState:
+        """Validate, tokenize and queue, or end the RPC with the status that names the problem."""
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is draining for shutdown; retry elsewhere")
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
+                               "the gateway is draining for shutdown; retry elsewhere")
         if self.num_streams >= self.config.gateway.max_concurrent_streams:
             await self._exhausted(context, f"the gateway already serves its maximum of "
                                            f"{self.config.gateway.max_concurrent_streams} streams")
@@ -56,11 +81,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             check_request_id(request_id)
             checked = validate(request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens)
         except InvalidRequest as e:
-            await context.abort(e.code, e.message)
+            await self._reject(context, e.code, e.message)
         if request_id in self.dispatcher.requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id {request_id!r} is already in flight")
         if not self.dispatcher.has_live_worker():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests yet")
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests")
         now = time.monotonic()
         remaining = context.time_remaining()
         limits = [t for t in (remaining, self.config.gateway.request_timeout_s or None) if t is not None]
@@ -71,16 +97,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.dispatcher.submit(state)
         except QueueFullError as e:
             await self._exhausted(context, str(e))
-        self._stream_started()
-        try:
-            async for response in self._relay(state, context):
-                yield response
-        finally:
-            # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
-            if not state.is_finished:
-                self.dispatcher.cancel(request_id)
-            self._stream_ended()
-            _log_request(state)
+        return state
+
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.rejections.labels(code.name.lower()).inc()
+        self.metrics.request_status.labels(code.name).inc()
+        await context.abort(code, message)
 
     async def _relay(self, state: RequestState, context: grpc.aio.ServicerContext):
         await context.send_initial_metadata((("request-id", state.request_id),))
@@ -90,9 +112,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 event = await asyncio.wait_for(state.events.get(), timeout)
             except asyncio.TimeoutError:
                 self.dispatcher.cancel(state.request_id, reason="error")
+                context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"request {state.request_id} passed its deadline while running")
             if event.status is not None:
+                context.set_code(event.status)
                 await context.abort(event.status, event.error)
             response = inference_pb2.GenerateResponse(request_id=state.request_id, text=event.text,
                                                       token_ids=event.token_ids, worker_id=state.worker_id or "")
@@ -133,12 +157,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 entry.kv_blocks_cached = hb.kv_blocks_cached
                 entry.memory_used_bytes, entry.memory_limit_bytes = hb.memory_used_bytes, hb.memory_limit_bytes
                 entry.memory_level, entry.device = hb.memory_level, hb.device
+                entry.utilization_percent, entry.hung = hb.utilization_percent, hb.is_hung
+                entry.memory_reserved_bytes, entry.memory_peak_bytes = hb.memory_reserved_bytes, hb.memory_peak_bytes
         return status
 
     async def _exhausted(self, context: grpc.aio.ServicerContext, message: str) -> None:
         context.set_trailing_metadata((("retry-after-ms", str(self.config.queues.retry_after_ms)),))
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after "
-                                                                f"{self.config.queues.retry_after_ms} ms")
+        await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{message}; retry after {self.config.queues.retry_after_ms} ms")
+
+    async def ProbeWorker(self, request: inference_pb2.ProbeWorkerRequest, context: grpc.aio.ServicerContext):
+        if request.worker_id not in self.dispatcher.registry.workers:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker has id {request.worker_id!r}; known: "
+                                                           f"{sorted(self.dispatcher.registry.workers)}")
+        try:
+            reply = await self.dispatcher.probe(request.worker_id, request.deep, request.memory_report,
+                                                self.config.gateway.probe_timeout_s)
+        except (asyncio.TimeoutError, ConnectionError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.worker_id} did not answer the probe: "
+                                                             f"{e or 'timed out'}")
+        return inference_pb2.ProbeWorkerResponse(worker_id=request.worker_id, ok=reply.ok, error=reply.error,
+                                                 latency_ms=reply.latency_ms, memory_report=reply.memory_report)
 
     def _stream_started(self) -> None:
         self.num_streams += 1
@@ -150,16 +189,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.streams_idle.set()
 
 
-def _log_request(state: RequestState) -> None:
-    log.info(json.dumps({
-        "event": "request", "request_id": state.request_id, "worker_id": state.worker_id,
-        "finish_reason": state.finish_reason, "priority": state.priority,
-        "prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids),
-        "cached_prompt_tokens": state.num_cached_tokens, "resumes": state.num_resumes,
-        "queue_ms": round(state.queue_ms, 2), "ttft_ms": round(state.ttft_ms, 2),
-        "total_ms": round(((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3, 2)}))
-
-
 class Gateway:
     """The gateway process: gRPC server, dispatcher and health, with a draining shutdown."""
 
@@ -169,7 +198,8 @@ class Gateway:
         for warning in self.tokenizer.warnings:
             log.warning("tokenizer: %s", warning)
         self.health = health_aio.HealthServicer()
-        self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update)
+        self.metrics = Metrics()
+        self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
         self.servicer = InferenceServicer(config, self.tokenizer, self.dispatcher)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
@@ -199,6 +229,8 @@ class Gateway:
         await self.health.set(SERVICE_NAME, overall)
 
     async def serve(self) -> int:
+        if self.config.gateway.metrics_port:
+            self.metrics.serve(self.config.gateway.metrics_port, self.config.gateway.metrics_host)
         await self.dispatcher.start()
         await self.server.start()
         await self._update_health()

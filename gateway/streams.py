@@ -41,6 +41,12 @@ class RequestState:
     finished_s: float | None = None
     num_cached_tokens: int = 0
     num_resumes: int = 0
+    bucket: int = 0  # the queue bucket its prompt length picked
+    last_token_s: float | None = None
+    worker_queue_ms: float = 0.0  # reported by the worker (its own clock)
+    prefill_ms: float = 0.0  # reported by the worker (its own clock)
+    num_preemptions: int = 0
+    peak_kv_blocks: int = 0
     finish_reason: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -60,6 +66,7 @@ class RequestState:
             return False
         if self.first_token_s is None:
             self.first_token_s = now_s
+        self.last_token_s = now_s
         self.output_ids.extend(token_ids)
         self._pending_text += self._detok.push(token_ids)
         if self.params.stop:

@@ -91,6 +91,16 @@ class WorkerRegistry:
             worker.was_alive = alive
         return dead
 
+    def mark_dead(self, worker_id: str) -> set[str]:
+        """A worker that said it is exiting: dead now; returns the requests it held."""
+        worker = self.get(worker_id)
+        lost = set(worker.assigned)
+        worker.assigned.clear()
+        worker.blocks_reserved = 0
+        worker.heartbeat = None
+        worker.last_seen_s = -math.inf
+        return lost
+
     def live(self, now_s: float) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.is_alive(self.heartbeat_timeout_s, now_s)]
 

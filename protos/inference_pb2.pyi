@@ -125,7 +125,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "alive", "ready", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_heartbeat_age_s", "device", "num_restarts", "kv_blocks_cached")
+    __slots__ = ("worker_id", "alive", "ready", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_heartbeat_age_s", "device", "num_restarts", "kv_blocks_cached", "utilization_percent", "hung", "memory_reserved_bytes", "memory_peak_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,10 @@ class WorkerStatus(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    HUNG_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     ready: bool
@@ -154,7 +158,11 @@ class WorkerStatus(_message.Message):
     device: str
     num_restarts: int
     kv_blocks_cached: int
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., device: _Optional[str] = ..., num_restarts: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
+    utilization_percent: float
+    hung: bool
+    memory_reserved_bytes: int
+    memory_peak_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., device: _Optional[str] = ..., num_restarts: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., hung: _Optional[bool] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "num_queued", "draining")
@@ -165,3 +173,27 @@ class ClusterStatus(_message.Message):
     num_queued: int
     draining: bool
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., num_queued: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ProbeWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "deep", "memory_report")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEEP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_REPORT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    deep: bool
+    memory_report: bool
+    def __init__(self, worker_id: _Optional[str] = ..., deep: _Optional[bool] = ..., memory_report: _Optional[bool] = ...) -> None: ...
+
+class ProbeWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "ok", "error", "latency_ms", "memory_report")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_REPORT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    ok: bool
+    error: str
+    latency_ms: float
+    memory_report: str
+    def __init__(self, worker_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., latency_ms: _Optional[float] = ..., memory_report: _Optional[str] = ...) -> None: ...

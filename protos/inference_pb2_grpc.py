@@ -49,6 +49,11 @@ class InferenceServiceStub:
                 request_serializer=protos_dot_inference__pb2.GetClusterStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_inference__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.ProbeWorker = channel.unary_unary(
+                '/inference.v1.InferenceService/ProbeWorker',
+                request_serializer=protos_dot_inference__pb2.ProbeWorkerRequest.SerializeToString,
+                response_deserializer=protos_dot_inference__pb2.ProbeWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -76,6 +81,15 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeWorker(self, request, context):
+        """Probe one worker: liveness of its loop, a real one-token generation (deep), and its
+        allocator's full report (memory_report). NOT_FOUND for an unknown worker,
+        UNAVAILABLE when it does not answer within the gateway's probe timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=protos_dot_inference__pb2.GetClusterStatusRequest.FromString,
                     response_serializer=protos_dot_inference__pb2.ClusterStatus.SerializeToString,
+            ),
+            'ProbeWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeWorker,
+                    request_deserializer=protos_dot_inference__pb2.ProbeWorkerRequest.FromString,
+                    response_serializer=protos_dot_inference__pb2.ProbeWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class InferenceService:
             '/inference.v1.InferenceService/GetClusterStatus',
             protos_dot_inference__pb2.GetClusterStatusRequest.SerializeToString,
             protos_dot_inference__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.v1.InferenceService/ProbeWorker',
+            protos_dot_inference__pb2.ProbeWorkerRequest.SerializeToString,
+            protos_dot_inference__pb2.ProbeWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -206,3 +206,57 @@ def test_status_reports_every_worker(cluster):
         assert w.alive and w.ready and w.kv_blocks_total == 128
         assert w.memory_used_bytes > 0 and w.memory_level == "OK" and w.last_heartbeat_age_s < 1.0
         assert w.device == "cpu"
+
+
+def _scrape(cluster) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_and_request_log_count_what_was_served(cluster):
+    import json
+    before = _scrape(cluster)
+    ids = [f"counted-{i}" for i in range(5)]
+    served = {rid: generate(cluster.stub, request_id=rid, prompt_token_ids=[5, 6, 7 + i],
+                            sampling=dict(max_tokens=6, ignore_eos=True)) for i, rid in enumerate(ids)}
+    with pytest.raises(grpc.RpcError):
+        generate(cluster.stub, prompt="", timeout=5)
+    time.sleep(0.5)  # heartbeats refresh the worker gauges
+    after = _scrape(cluster)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("inference_request_success_total", finished_reason="length") == 5
+    assert delta("inference_request_status_total", code="OK") == 5
+    assert delta("inference_request_rejections_total", reason="invalid_argument") == 1
+    assert delta("inference_generation_tokens_total") == 30
+    assert delta("inference_prompt_tokens_total") == 15
+    assert delta("inference_time_to_first_token_seconds_count", bucket="0") == 5
+    assert delta("inference_inter_token_latency_seconds_count", bucket="0") == 25
+    for worker in ("worker-0", "worker-1"):
+        assert after[("inference_worker_up", (("worker", worker),))] == 1
+        assert after[("inference_worker_memory_bytes", (("kind", "used"), ("worker", worker)))] > 0
+    lines = [json.loads(line[line.index("{"):]) for line in
+             (cluster.run_dir / "gateway.log").read_text().splitlines() if '"event":"request"' in line]
+    records = {r["request_id"]: r for r in lines if r["request_id"] in served}
+    assert sorted(records) == sorted(ids) and len([r for r in lines if r["request_id"] in served]) == 5
+    for rid, record in records.items():
+        token_ids, _, last = served[rid]
+        assert record["completion_tokens"] == len(token_ids) == 6 and record["prompt_tokens"] == 3
+        assert record["finish_reason"] == "length" and record["status_code"] == "OK"
+        assert record["worker_id"] == last.worker_id and record["bucket"] == 0
+        assert 0 <= record["queue_ms"] <= record["ttft_ms"] <= record["e2e_ms"]
+        assert record["per_output_token_ms"] > 0 and record["resumptions"] == 0
+
+
+def test_probe_worker(cluster):
+    reply = cluster.stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(worker_id="worker-1", deep=True), timeout=15)
+    assert reply.ok and reply.latency_ms > 0
+    with pytest.raises(grpc.RpcError) as e:
+        cluster.stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(worker_id="worker-9"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,0 +1,102 @@
+"""Prometheus metrics of the gateway, names modelled on vLLM's (`inference_` instead of `vllm:`).
+
+Everything is observed in the gateway from its own clock or from durations a worker
+reported; worker counters arrive cumulative per incarnation in heartbeats and are turned
+into monotonic Prometheus counters here. One registry per Metrics object, so tests can
+run several gateways in one process.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from protos import worker_pb2
+
+# Sub-100 ms resolution for per-token latencies, seconds to minutes for whole requests.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1,
+                     0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+MEMORY_LEVELS = {"OK": 0, "HIGH": 1, "CRITICAL": 2}
+_WORKER_COUNTERS = {  # heartbeat field -> metric attribute
+    "num_prefix_query_tokens": "prefix_cache_queries",
+    "num_prefix_hit_tokens": "prefix_cache_hits",
+    "num_preemptions": "preemptions",
+    "num_oom_recoveries": "oom_recoveries",
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        w, b = ["worker"], ["bucket"]
+        self.requests_running = Gauge("inference_num_requests_running", "Requests running on a worker.", w,
+                                      registry=r)
+        self.requests_waiting = Gauge("inference_num_requests_waiting", "Requests waiting on a worker.", w,
+                                      registry=r)
+        self.requests_queued = Gauge("inference_num_requests_queued", "Requests in the gateway queue.", b,
+                                     registry=r)
+        self.kv_usage = Gauge("inference_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", w,
+                              registry=r)
+        self.worker_up = Gauge("inference_worker_up", "1 while the worker's heartbeats are fresh.", w, registry=r)
+        self.worker_ready = Gauge("inference_worker_ready", "1 while the worker is ready for work.", w, registry=r)
+        self.memory_bytes = Gauge("inference_worker_memory_bytes", "Worker memory by kind.", ["worker", "kind"],
+                                  registry=r)
+        self.memory_level = Gauge("inference_worker_memory_level", "Watchdog level: 0 OK, 1 HIGH, 2 CRITICAL.", w,
+                                  registry=r)
+        self.utilization = Gauge("inference_worker_utilization_percent", "GPU (NVML) or process CPU percent.", w,
+                                 registry=r)
+        self.prefix_cache_queries = Counter("inference_prefix_cache_queries", "Prompt tokens looked up in the "
+                                            "prefix cache.", w, registry=r)
+        self.prefix_cache_hits = Counter("inference_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                         w, registry=r)
+        self.preemptions = Counter("inference_num_preemptions", "Requests preempted (recompute).", w, registry=r)
+        self.oom_recoveries = Counter("inference_oom_recoveries", "Out-of-memory errors survived in a forward.", w,
+                                      registry=r)
+        self.worker_restarts = Counter("inference_worker_restarts", "New incarnations of a worker.", w, registry=r)
+        self.prompt_tokens = Counter("inference_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("inference_generation_tokens", "Generated tokens streamed.", registry=r)
+        self.request_success = Counter("inference_request_success", "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.request_status = Counter("inference_request_status", "Finished RPCs by gRPC status.", ["code"],
+                                      registry=r)
+        self.rejections = Counter("inference_request_rejections", "Requests refused before queueing, by reason.",
+                                  ["reason"], registry=r)
+        self.resumptions = Counter("inference_request_resumptions", "Requests resumed on another worker.",
+                                   registry=r)
+
+        def histogram(name: str, doc: str, labels=b) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS_S, registry=r)
+
+        self.ttft = histogram("inference_time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("inference_inter_token_latency_seconds", "Between streamed tokens.")
+        self.e2e = histogram("inference_e2e_request_latency_seconds", "Arrival to the last message.")
+        self.queue_time = histogram("inference_request_queue_time_seconds", "Time in the gateway queue.")
+        self.prefill_time = histogram("inference_request_prefill_time_seconds", "Worker: first step to first token.")
+        self.decode_time = histogram("inference_request_decode_time_seconds", "First token to the last.")
+        self._last_counts: dict[tuple[str, str], tuple[str, int]] = {}
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    # ---- workers ---------------------------------------------------------------------------------
+    def on_heartbeat(self, worker_id: str, incarnation: str, hb: worker_pb2.Heartbeat) -> None:
+        self.requests_running.labels(worker_id).set(hb.num_running)
+        self.requests_waiting.labels(worker_id).set(hb.num_waiting)
+        if hb.kv_blocks_total:
+            self.kv_usage.labels(worker_id).set(1 - hb.kv_blocks_free / hb.kv_blocks_total)
+        for kind in ("allocated", "reserved", "peak", "resident"):
+            self.memory_bytes.labels(worker_id, kind).set(getattr(hb, f"memory_{kind}_bytes"))
+        self.memory_bytes.labels(worker_id, "used").set(hb.memory_used_bytes)
+        self.memory_level.labels(worker_id).set(MEMORY_LEVELS.get(hb.memory_level, 0))
+        self.utilization.labels(worker_id).set(hb.utilization_percent)
+        for field, attr in _WORKER_COUNTERS.items():
+            self._add_cumulative(getattr(self, attr), worker_id, incarnation, field, getattr(hb, field))
+
+    def _add_cumulative(self, counter: Counter, worker_id: str, incarnation: str, field: str, value: int) -> None:
+        last_incarnation, last = self._last_counts.get((worker_id, field), (incarnation, 0))
+        delta = value if last_incarnation != incarnation else value - last
+        if delta > 0:
+            counter.labels(worker_id).inc(delta)
+        self._last_counts[(worker_id, field)] = (incarnation, value)
+
+    def on_liveness(self, worker_id: str, alive: bool, ready: bool) -> None:
+        self.worker_up.labels(worker_id).set(int(alive))
+        self.worker_ready.labels(worker_id).set(int(ready))
