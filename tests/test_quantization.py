@@ -1,0 +1,83 @@
+"""Weight-only INT8/INT4: error bounds, packing, and each compute path against its
+dequantized reference matmul."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.model.quantization import (QuantizedLinear, choose_path, dequantize, pack_int4, quantize,
+                                       quantize_int4, quantize_int8, unpack_int4)
+
+
+@pytest.fixture
+def weight():
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)
+    w[3, 7] = 25.0  # an outlier row: its scale must not leak into other rows
+    return w
+
+
+def test_int8_error_is_at_most_half_a_step_per_row(weight):
+    qw = quantize_int8(weight)
+    assert qw.qweight.dtype == torch.int8 and qw.scales.shape == (96,)
+    error = (dequantize(qw) - weight).abs()
+    assert torch.all(error <= qw.scales[:, None] / 2 + 1e-6)
+    assert error[0].max() < error[3].max()  # per-channel: the outlier only coarsens its own row
+    assert qw.nbytes == weight.numel() + 4 * weight.shape[0]  # one byte per weight + a float32 scale per row
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_error_is_at_most_half_a_step_per_group(weight, group_size, symmetric):
+    qw = quantize_int4(weight, group_size, symmetric)
+    n, k = weight.shape
+    assert qw.qweight.shape == (n, k // 2) and qw.qweight.dtype == torch.uint8
+    assert qw.scales.shape == (n, k // group_size)
+    error = (dequantize(qw) - weight).abs().view(n, k // group_size, group_size)
+    assert torch.all(error <= qw.scales[..., None] / 2 + 1e-5)
+    assert qw.nbytes == n * k // 2 + 2 * 4 * n * (k // group_size)  # nibbles + float32 scales and zeros
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (5, 32)
+    assert torch.equal(unpack_int4(packed), q)
+    assert torch.equal(packed[0, 0], q[0, 0] | (q[0, 1] << 4))
+
+
+def test_bad_shapes_and_bits_are_refused(weight):
+    with pytest.raises(ValueError, match="multiple of the INT4 group size"):
+        quantize_int4(weight[:, :100], 128)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        quantize(weight, 3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("path", ["kernel", "dequant"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_quantized_linear_matches_its_dequantized_matmul(weight, bits, path, rows):
+    qw = quantize(weight, bits, group_size=64)
+    bias = torch.randn(96)
+    layer = QuantizedLinear(qw, bias, path=path)
+    if path == "kernel" and not layer.kernel_available(torch.device("cpu")):
+        pytest.skip("this torch build has no packed kernel on the CPU")
+    x = torch.randn(rows, 256)
+    reference = x @ dequantize(qw).t() + bias
+    torch.testing.assert_close(layer(x), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_dequant_path_reuses_one_buffer(weight):
+    layer = QuantizedLinear(quantize(weight, 8))
+    first = layer.dequantized()
+    layer(torch.randn(2, 256))
+    assert layer.dequantized().data_ptr() == first.data_ptr()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_choose_path_keeps_a_correct_path(weight, bits):
+    layer = QuantizedLinear(quantize(weight, bits, group_size=64))
+    path = choose_path(layer, rows=1, repeats=2)
+    assert path in ("kernel", "dequant") and layer.path == path
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t(), rtol=1e-4, atol=1e-4)

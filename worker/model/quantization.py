@@ -1,0 +1,196 @@
+"""Weight-only quantization: INT8 per output channel, INT4 group-wise packed two per byte.
+
+Pure tensor code. The stored formats are our own and device independent:
+- INT8: `qweight` int8 [N, K] with symmetric per-row `scales` [N]: w ~ q * scale.
+- INT4: `qweight` uint8 [N, K/2] (element 2j in the low nibble, 2j+1 in the high one), with
+  per-group `scales` and `zeros` [N, K/G]: w ~ q * scale + zero, q in 0..15 (asymmetric),
+  or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
+`QuantizedLinear` computes with torch's packed kernels where they exist, or dequantizes into
+a reused buffer and runs the float matmul, whichever `choose_path` measured faster.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP_SIZE = 128
+_EPS = 1e-8
+
+
+@dataclass
+class QuantizedWeight:
+    bits: int  # 8 or 4
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None  # INT4 only
+    shape: tuple[int, int]  # (N, K) of the float weight
+    group_size: int = 0  # INT4 only
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---- INT8 --------------------------------------------------------------------------------------
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-output-channel: each row's largest |w| maps to 127."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, q, scales, None, tuple(w.shape))
+
+
+def dequantize_int8(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (qw.qweight.to(dtype) * qw.scales.to(dtype)[:, None])
+
+
+# ---- INT4 --------------------------------------------------------------------------------------
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] -> [N, K/2], low nibble first."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] -> uint8 values 0..15 [N, K]."""
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, symmetric: bool = False
+                  ) -> QuantizedWeight:
+    n, k = weight.shape
+    if k % group_size or group_size % 2:
+        raise ValueError(f"in_features {k} must be a multiple of the INT4 group size {group_size} (even)")
+    w = weight.detach().float().view(n, k // group_size, group_size)  # [N, K/G, G]
+    if symmetric:
+        scales = w.abs().amax(dim=-1).clamp(min=_EPS) / 7.0
+        zeros = -8.0 * scales
+    else:
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = (high - low).clamp(min=_EPS) / 15.0
+        zeros = low
+    q = torch.round((w - zeros[..., None]) / scales[..., None]).clamp(0, 15).view(n, k)
+    return QuantizedWeight(4, pack_int4(q), scales, zeros, (n, k), group_size)
+
+
+def dequantize_int4(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n, k = qw.shape
+    q = unpack_int4(qw.qweight).to(dtype).view(n, k // qw.group_size, qw.group_size)
+    return (q * qw.scales.to(dtype)[..., None] + qw.zeros.to(dtype)[..., None]).view(n, k)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE, symmetric: bool = False
+             ) -> QuantizedWeight:
+    if bits == 8:
+        return quantize_int8(weight)
+    if bits == 4:
+        return quantize_int4(weight, group_size, symmetric)
+    raise ValueError(f"bits must be 8 or 4, got {bits}")
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_int8(qw, dtype) if qw.bits == 8 else dequantize_int4(qw, dtype)
+
+
+# ---- compute -----------------------------------------------------------------------------------
+def _torch_int4_operands(qw: QuantizedWeight, device: torch.device):
+    """torch's packed INT4 layout for this device, or None where torch has no kernel."""
+    q = unpack_int4(qw.qweight).to(torch.int32)
+    # torch's kernels dequantize as (q - 8) * scale + zero.
+    scales_and_zeros = torch.stack([qw.scales, qw.zeros + 8 * qw.scales], dim=-1)  # [N, K/G, 2]
+    scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous()  # [K/G, N, 2]
+    if device.type == "cpu" and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        return torch._convert_weight_to_int4pack_for_cpu(q, 2), scales_and_zeros
+    if device.type == "cuda" and hasattr(torch, "_convert_weight_to_int4pack"):
+        packed = pack_int4(q.to(torch.uint8))
+        # The CUDA kernel wants the high nibble first and bf16 scales.
+        packed = (packed >> 4) | ((packed & 0x0F) << 4)
+        return torch._convert_weight_to_int4pack(packed.to(device), 8), scales_and_zeros.to(device, torch.bfloat16)
+    return None
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b) with W stored quantized. `path` is "kernel" (torch's packed matmul) or
+    "dequant" (W rebuilt into a reused float buffer, then the float matmul)."""
+
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                 path: str = "dequant"):
+        super().__init__()
+        self.qw = qw
+        self.bits = qw.bits
+        self.dtype = dtype
+        self.register_buffer("qweight", qw.qweight, persistent=False)
+        self.register_buffer("scales", qw.scales.to(dtype), persistent=False)
+        self.register_buffer("zeros", None if qw.zeros is None else qw.zeros.to(dtype), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self._dequant_buffer: torch.Tensor | None = None
+        self._int4_operands = None
+        self.path = path
+
+    @property
+    def out_features(self) -> int:
+        return self.qw.shape[0]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight, rebuilt into one buffer that is reused call after call."""
+        qw = QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.qw.shape, self.qw.group_size)
+        if self._dequant_buffer is None or self._dequant_buffer.device != self.qweight.device:
+            self._dequant_buffer = torch.empty(qw.shape, dtype=self.dtype, device=self.qweight.device)
+        if self.bits == 8:
+            torch.mul(self.qweight.to(self.dtype), self.scales[:, None], out=self._dequant_buffer)
+        else:
+            self._dequant_buffer.copy_(dequantize_int4(qw, self.dtype))
+        return self._dequant_buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+        if self.path == "kernel":
+            y = self._kernel(x)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantized(), self.bias)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bits == 8:
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        if self._int4_operands is None:
+            self._int4_operands = _torch_int4_operands(self.qw, x.device)
+        packed, scales_and_zeros = self._int4_operands
+        if x.device.type == "cpu":
+            return torch._weight_int4pack_mm_for_cpu(x, packed, self.qw.group_size, scales_and_zeros)
+        return torch._weight_int4pack_mm(x.to(torch.bfloat16), packed, self.qw.group_size,
+                                         scales_and_zeros).to(x.dtype)
+
+    def kernel_available(self, device: torch.device) -> bool:
+        if self.bits == 8:
+            return hasattr(torch, "_weight_int8pack_mm")
+        return _torch_int4_operands(self.qw, device) is not None if self.qw.shape[1] % 64 == 0 else False
+
+
+def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
+    """Time both paths on this layer's shape and device; keep the faster correct one."""
+    x = torch.randn(rows, layer.qw.shape[1], dtype=layer.dtype, device=layer.qweight.device)
+    timings = {}
+    reference = F.linear(x, layer.dequantized())
+    for path in ("kernel", "dequant"):
+        if path == "kernel" and not layer.kernel_available(x.device):
+            continue
+        layer.path = path
+        try:
+            y = layer(x)
+        except RuntimeError:  # this torch build has no such kernel for this device or dtype
+            continue
+        if not torch.allclose(y - (0 if layer.bias is None else layer.bias), reference, rtol=1e-2, atol=1e-2):
+            continue
+        started = time.perf_counter()
+        for _ in range(repeats):
+            layer(x)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        timings[path] = (time.perf_counter() - started) / repeats
+    layer.path = min(timings, key=timings.get) if timings else "dequant"
+    return layer.path
