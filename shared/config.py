@@ -104,13 +104,29 @@ class WorkerConfig:
     restart_backoff_s: float = 0.5  # supervisor: first delay before a restart, doubled per quick crash
     max_restart_backoff_s: float = 10.0
     cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the model process
+    # The memory watchdog (worker/watchdog.py): levels as fractions of memory_limit_bytes. A level
+    # is entered at its fraction and left below (fraction - memory_hysteresis_fraction).
+    memory_high_fraction: float = 0.85  # HIGH: admit nothing new, evict prefix-cache blocks
+    memory_critical_fraction: float = 0.95  # CRITICAL: also preempt lowest-priority requests; not ready
+    memory_hysteresis_fraction: float = 0.05
+    memory_poll_interval_s: float = 1.0  # timer reads (with utilisation), besides one read per step
+    # CUDA, at HIGH or above: release the allocator's cached blocks (empty_cache) when
+    # reserved - allocated exceeds this; at most once per memory_poll_interval_s. 0 = never.
+    empty_cache_fragmentation_bytes: int = 1 << 30
+    hung_after_s: float = 10.0  # has work but no step completed for this long: not ready
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"worker.{name}", getattr(self, name), ">= 1")
         for name in ("num_threads", "num_kv_blocks", "kv_cache_bytes", "max_queued", "max_prefill_chunk_tokens",
-                     "max_model_len", "memory_limit_bytes"):
+                     "max_model_len", "memory_limit_bytes", "empty_cache_fragmentation_bytes"):
             _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), ">= 0")
+        _check(0 < self.memory_high_fraction < self.memory_critical_fraction <= 1, "worker.memory_high_fraction",
+               self.memory_high_fraction, "in (0, memory_critical_fraction), with memory_critical_fraction <= 1")
+        _check(0 <= self.memory_hysteresis_fraction < self.memory_high_fraction,
+               "worker.memory_hysteresis_fraction", self.memory_hysteresis_fraction, "in [0, memory_high_fraction)")
+        for name in ("memory_poll_interval_s", "hung_after_s"):
+            _check(getattr(self, name) > 0, f"worker.{name}", getattr(self, name), "> 0")
         _check(0 < self.gpu_memory_utilization <= 1, "worker.gpu_memory_utilization",
                self.gpu_memory_utilization, "in (0, 1]")
         _check(self.heartbeat_interval_s > 0, "worker.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")

@@ -240,7 +240,7 @@ def test_metrics_and_request_log_count_what_was_served(cluster):
     assert delta("inference_inter_token_latency_seconds_count", bucket="0") == 25
     for worker in ("worker-0", "worker-1"):
         assert after[("inference_worker_up", (("worker", worker),))] == 1
-        assert after[("inference_worker_memory_bytes", (("kind", "used"), ("worker", worker)))] > 0
+        assert after[("inference_worker_memory_bytes", (("kind", "resident"), ("worker", worker)))] > 0
     lines = [json.loads(line[line.index("{"):]) for line in
              (cluster.run_dir / "gateway.log").read_text().splitlines() if '"event":"request"' in line]
     records = {r["request_id"]: r for r in lines if r["request_id"] in served}

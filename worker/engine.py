@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
@@ -19,11 +20,12 @@ from shared.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budget,
                              num_blocks_from_free_cuda_memory)
+from worker.memory import KVUsage
 from worker.model import cpu_kernels
 from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.config import ModelConfig
 from worker.model.weights import load_model, resolve_dtype
-from worker.model_runner import ModelRunner, SequenceStep
+from worker.model_runner import ModelRunner, OutOfMemory, SequenceStep
 from worker.request import Request, RequestStatus
 from worker.sampler import Sampler, make_generator, token_seed
 from worker.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
@@ -74,6 +76,10 @@ class RequestOutput:
     num_preemptions: int
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None
+    # Worker-side durations, only on the output carrying the first token sampled here.
+    worker_queue_ms: float = 0.0  # arrival on this worker to the first scheduled step
+    prefill_ms: float = 0.0  # first scheduled step to the first token
+    peak_kv_blocks: int = 0  # the most KV blocks the request held at once
 
 
 class Engine:
@@ -113,6 +119,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: list[Request] = []
         self._ids = itertools.count()
+        self.num_steps = 0  # steps that ran a forward
+        self._bytes_per_block = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) // num_blocks
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
                  config.block_size)
 
@@ -189,21 +197,34 @@ class Engine:
             start = r.num_computed_tokens
             generator = self._generators.get(r.request_id)
             needs_sample = start + item.num_new_tokens == r.num_tokens
-            if generator is not None and needs_sample:
-                generator.manual_seed(token_seed(r.params.seed, r.num_output_tokens))
+            block_table = self.block_manager.block_table(r.request_id)
+            r.peak_num_blocks = max(r.peak_num_blocks, len(block_table))
             seqs.append(SequenceStep(
                 new_token_ids=r.token_ids[start:start + item.num_new_tokens],
                 context_len=start,
-                block_table=self.block_manager.block_table(r.request_id),
+                block_table=block_table,
                 needs_sample=needs_sample,
                 params=r.params,
                 generator=generator,
                 token_history=r.token_ids,
+                seed=token_seed(r.params.seed, r.num_output_tokens) if generator is not None and needs_sample else None,
             ))
-        results = self.runner.execute(seqs)
-        for item, result in zip(schedule.scheduled, results):
-            outputs.extend(self._update(item.request, item.num_new_tokens, result))
+        results = self.runner.execute_splitting(seqs)
+        self.num_steps += 1
+        for item, seq, result in zip(schedule.scheduled, seqs, results):
+            if isinstance(result, OutOfMemory):
+                outputs.append(self._fail_out_of_memory(item.request, seq, result))
+            else:
+                outputs.extend(self._update(item.request, item.num_new_tokens, result))
         return outputs
+
+    def _fail_out_of_memory(self, request: Request, seq: SequenceStep, result: OutOfMemory) -> RequestOutput:
+        error = (f"out of memory: request {request.request_id!r} does not fit on this worker even alone "
+                 f"({len(seq.new_token_ids)} new tokens on {seq.context_len} of context); {result.error}")
+        log.error("%s", error)
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, error)
+        self._generators.pop(request.request_id, None)
+        return _output(request, [])
 
     def _update(self, request: Request, num_new_tokens: int, result) -> list[RequestOutput]:
         request.num_computed_tokens += num_new_tokens
@@ -212,11 +233,14 @@ class Engine:
             return []
         token_id, logprob = result
         request.append_token(token_id, logprob if request.params.logprobs else None)
+        is_first = request.first_token_s is None
+        if is_first:
+            request.first_token_s = time.monotonic()
         status = request.stop_status()
         if status is not None:
             self.scheduler.finish(request, status)
             self._generators.pop(request.request_id, None)
-        return [_output(request, [token_id])]
+        return [_output(request, [token_id], with_timings=is_first)]
 
     # ---- offline batch API --------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -248,6 +272,44 @@ class Engine:
                         bar.update(1)
         return [final[i] for i in ids]
 
+    # ---- memory: what the worker loop asks for and acts with ------------------------------
+    @property
+    def num_oom_recoveries(self) -> int:
+        return self.runner.num_oom_recoveries
+
+    def kv_pool_usage(self) -> KVUsage:
+        blocks = self.block_manager
+        return KVUsage(num_blocks=blocks.num_blocks, num_used_blocks=blocks.num_used_blocks,
+                       num_cached_blocks=blocks.num_evictable_blocks, bytes_per_block=self._bytes_per_block)
+
+    def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
+        """Evict up to max_blocks (all if None) unreferenced prefix-cache blocks; returns how many."""
+        return self.block_manager.evict(max_blocks)
+
+    def empty_device_cache(self) -> None:
+        """Give the CUDA caching allocator's unused blocks back to the driver. It costs the next
+        allocations a cudaMalloc, so the loop calls it between steps and only now and then."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def describe_kv_pool(self, max_requests: int = 64) -> str:
+        """The KV pool's layout and who holds which blocks, for the memory-report probe."""
+        blocks, (k_cache, _) = self.block_manager, self.kv_caches[0]
+        usage = self.kv_pool_usage()
+        lines = [f"KV pool: {blocks.num_blocks} blocks x {blocks.block_size} tokens; {len(self.kv_caches)} layers "
+                 f"x (K, V) of {list(k_cache.shape)} [N, S, Hkv, D] {k_cache.dtype} on {k_cache.device}; "
+                 f"{usage.bytes_per_block} bytes per block, {usage.pool_bytes / 2**20:.1f} MiB in all",
+                 f"KV blocks: {blocks.num_free_blocks - blocks.num_evictable_blocks} free, "
+                 f"{blocks.num_evictable_blocks} cached (evictable), {blocks.num_used_blocks} used by "
+                 f"{len(self.scheduler.running)} running requests ({len(self.scheduler.waiting)} waiting)"]
+        for r in self.scheduler.running[:max_requests]:
+            table = self.block_manager.block_table(r.request_id)
+            lines.append(f"  {r.request_id!r}: {len(table)} blocks for {r.num_computed_tokens} computed tokens "
+                         f"of {r.num_tokens}: {table}")
+        if len(self.scheduler.running) > max_requests:
+            lines.append(f"  ... and {len(self.scheduler.running) - max_requests} more")
+        return "\n".join(lines)
+
     # ---- introspection --------------------------------------------------------------------
     def kv_usage(self) -> tuple[int, int]:
         """(token slots holding live K/V, token slots in blocks held by requests)."""
@@ -263,7 +325,11 @@ class Engine:
             assert not self.block_manager.has_request(r.request_id), f"waiting {r.request_id} holds blocks"
 
 
-def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+def _output(request: Request, new_token_ids: list[int], with_timings: bool = False) -> RequestOutput:
+    timings = {}
+    if with_timings and request.first_scheduled_s is not None:
+        timings = dict(worker_queue_ms=(request.first_scheduled_s - request.arrival_s) * 1e3,
+                       prefill_ms=(request.first_token_s - request.first_scheduled_s) * 1e3)
     return RequestOutput(
         request_id=request.request_id,
         token_ids=list(request.output_token_ids),
@@ -275,4 +341,6 @@ def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
         num_preemptions=request.num_preemptions,
         logprobs=list(request.output_logprobs),
         error=request.error,
+        peak_kv_blocks=request.peak_num_blocks,
+        **timings,
     )

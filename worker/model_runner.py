@@ -1,13 +1,16 @@
 """Runs one step on the device: packs the scheduled sequences into preallocated buffers,
 runs the transformer on its own CUDA stream (when on CUDA), and samples.
 
-Owns the tensors of a step; knows nothing of scheduling policy or sockets.
+Owns the tensors of a step, and running a step despite an out-of-memory error (free what
+the device caches, run the step in halves); knows nothing of scheduling policy or sockets.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,6 +19,22 @@ from worker.kv_cache import KVCache
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.transformer import Transformer
 from worker.sampler import Sampler, SamplingBatch
+
+log = logging.getLogger(__name__)
+# The CPU allocator reports exhaustion as a plain RuntimeError carrying this text.
+_CPU_OOM_TEXT = "can't allocate memory"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and _CPU_OOM_TEXT in str(error)
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The result of a sequence that ran out of memory even in a step of its own."""
+    error: str
 
 
 @dataclass
@@ -29,6 +48,9 @@ class SequenceStep:
     params: SamplingParams
     generator: torch.Generator | None
     token_history: Sequence[int]  # prompt + output, for repetition penalty
+    # The generator's seed for this step's token: set again before every attempt, so a step
+    # retried after an out-of-memory error draws exactly what the first attempt would have.
+    seed: int | None = None
 
 
 class ModelRunner:
@@ -62,6 +84,44 @@ class ModelRunner:
                         if is_cuda else self._host)
         self.logits = torch.zeros(max_num_seqs, model.config.vocab_size,
                                   dtype=next(model.parameters()).dtype, device=self.device)
+        # Fault injection for tests: called with a step's sequences before its forward; it may
+        # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
+        self.fault_hook: Callable[[list[SequenceStep]], None] | None = None
+        self.num_oom_recoveries = 0  # out-of-memory errors caught (and survived) in a step
+
+    def execute_splitting(self, seqs: list[SequenceStep]) -> list[tuple[int, float | None] | None | OutOfMemory]:
+        """execute(), surviving out-of-memory errors: free what the device caches and run the
+        sequences in halves, recursively. A sequence that fails alone gets OutOfMemory; every
+        other one gets exactly what execute() would have given it.
+
+        Retrying is safe because nothing of a failed attempt is kept: results come back only
+        from attempts that finished, the caller applies them once, and K/V a failed attempt
+        wrote lands in the same slots the retry writes (or in blocks its request gives up)."""
+        try:
+            return self.execute(seqs)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            error = f"{type(e).__name__}: {(str(e) or 'out of memory').splitlines()[0]}"
+        # Outside the except block: the traceback, and the activations its frames hold, are gone.
+        self.num_oom_recoveries += 1
+        log.warning("out of memory in a step of %d sequences (%s); freeing caches and %s", len(seqs), error,
+                    "failing that sequence" if len(seqs) == 1 else "retrying in halves")
+        self.release_memory()
+        if len(seqs) == 1:
+            return [OutOfMemory(error)]
+        mid = (len(seqs) + 1) // 2
+        return self.execute_splitting(seqs[:mid]) + self.execute_splitting(seqs[mid:])
+
+    def release_memory(self) -> None:
+        """Drop what holds bytes and is not needed: unreachable tensors, and on CUDA the blocks the
+        caching allocator keeps (so the driver can hand them out whole again). The KV pool is not
+        touched: it is allocated once, and freeing its blocks frees no bytes."""
+        # Only the young generations: any cycle the failed attempt left is new, and a full
+        # collection costs a fifth of a second in a process holding a model.
+        gc.collect(1)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def execute(self, seqs: list[SequenceStep]) -> list[tuple[int, float | None] | None]:
         """Run one step; per sequence (in input order) its sampled (token, logprob), or
@@ -70,6 +130,11 @@ class ModelRunner:
             return []
         if len(seqs) > self.max_num_seqs:
             raise ValueError(f"step has {len(seqs)} sequences, more than max_num_seqs={self.max_num_seqs}")
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
+        for seq in seqs:
+            if seq.generator is not None and seq.seed is not None:
+                seq.generator.manual_seed(seq.seed)
         # Decodes first, longest context first: the attention fast path batches them in
         # groups of similar length (see AttentionMetadata).
         order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].new_token_ids) != 1,

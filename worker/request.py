@@ -50,6 +50,10 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, served by the prefix cache at first schedule
     num_preemptions: int = 0
     error: str | None = None
+    # Worker-side timings, on this process's monotonic clock (reported as durations only).
+    first_scheduled_s: float | None = None  # set by the scheduler when it first runs
+    first_token_s: float | None = None  # set by the engine when it samples its first token here
+    peak_num_blocks: int = 0  # the most KV blocks it held at once
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list so a step never concatenates.

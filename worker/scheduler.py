@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass
 
 from worker.block_manager import BlockManager
@@ -64,6 +65,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
         self.num_preemptions = 0
+        # Set by the worker loop while memory is HIGH or worse: waiting requests stay waiting,
+        # except one when nothing runs (so the worker always makes progress).
+        self.admission_paused = False
 
     # ---- admission -------------------------------------------------------------------
     def check_can_serve(self, prompt_len: int, max_tokens: int) -> None:
@@ -116,11 +120,14 @@ class Scheduler:
                 scheduled[request.request_id] = ScheduledRequest(request, num_new)
                 budget -= num_new
         if not preempted:
-            budget = self._admit(budget, scheduled)
+            max_running = self.config.max_num_seqs
+            if self.admission_paused:
+                max_running = 0 if self.running else 1
+            budget = self._admit(budget, scheduled, max_running)
         return SchedulerOutput(list(scheduled.values()), preempted)
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], max_running: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < max_running:
             request = self.waiting[0]
             if not self.blocks.has_request(request.request_id):
                 # Leave at least one token to compute: its logits give the next token.
@@ -149,6 +156,8 @@ class Scheduler:
     def _start(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest]) -> None:
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = time.monotonic()
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
         scheduled[request.request_id] = ScheduledRequest(request, num_new)
 
@@ -163,6 +172,16 @@ class Scheduler:
         this step; the requester itself when it ranks lowest."""
         candidates = [r for r in self.running if r.request_id not in scheduled and r.status == RequestStatus.RUNNING]
         return max(candidates, key=lambda r: r.sort_key)  # `request` is always a candidate
+
+    def preempt_lowest(self) -> Request | None:
+        """Preempt (recompute) the lowest-priority running request, newest first among equals,
+        as the loop asks under memory pressure. Never the last running request: preempting it
+        could not relieve pressure that the pool does not cause, and would stop all progress."""
+        if len(self.running) <= 1:
+            return None
+        victim = self.running[-1]  # kept sorted by sort_key: the far end is the lowest priority
+        self._preempt(victim)
+        return victim
 
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the K/V, keep the tokens, go back to the front of the queue.

@@ -1,15 +1,19 @@
-"""The worker process's loop: take commands off the wire, step the engine, send the deltas.
+"""The worker process's loop: take commands off the wire, act on memory, step the engine, send deltas.
 
 Aborts and new work are applied between steps, so an abort takes effect right after the
 step in flight. On CUDA every step runs on the worker's own stream. The loop owns the
-engine; the heartbeat thread only reads the snapshot the loop publishes.
+engine; the heartbeat and watchdog threads only read. Memory (DESIGN.md section 4): the
+watchdog reports a level, this loop decides what it calls for, the scheduler and engine act.
+A fatal error tells the gateway (WorkerExit) and exits non-zero, so the supervisor restarts us.
 """
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import signal
 import time
+from typing import Callable
 
 import torch
 
@@ -18,9 +22,10 @@ from shared.config import ClusterConfig
 from shared.ipc import WorkerSocket, new_incarnation
 from shared.wire import sampling_from_wire
 from worker.engine import Engine, RequestOutput
-from worker.memory import read_memory
+from worker.memory import MemoryReader, MemoryReading
 from worker.scheduler import RequestRejectedError
-from worker.transport import HeartbeatThread, LoadSnapshot, StaticInfo
+from worker.transport import HeartbeatThread, LoadSnapshot, LoopProgress, StaticInfo
+from worker.watchdog import MemoryLevel, MemoryStatus, Watchdog
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
@@ -38,45 +43,68 @@ def engine_overrides(config: ClusterConfig) -> dict:
 
 
 class WorkerService:
-    def __init__(self, config: ClusterConfig, worker_id: str, engine: Engine | None = None):
+    def __init__(self, config: ClusterConfig, worker_id: str, engine: Engine | None = None,
+                 read_memory: Callable[[bool], MemoryReading] | None = None):
+        """`engine` and `read_memory` are injectable for tests (a fake reading drives the levels)."""
         self.config = config
         self.worker_id = worker_id
         self.engine = engine or Engine.from_model_dir(config.model_dir, **engine_overrides(config))
         self.device = self.engine.device
         # The worker's own stream: its kernels never queue behind another context's default stream.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        w = config.worker
+        self.memory_reader = MemoryReader(self.device)
+        self.watchdog = Watchdog(read_memory or self.memory_reader, w.memory_limit_bytes, w.memory_high_fraction,
+                                 w.memory_critical_fraction, w.memory_hysteresis_fraction, w.memory_poll_interval_s)
+        self.progress = LoopProgress()
         self.incarnation = new_incarnation()
         endpoint = config.worker_endpoint
         self.socket = WorkerSocket(endpoint, worker_id, self.incarnation)
-        self.heartbeat = HeartbeatThread(endpoint, worker_id, self.incarnation, config.worker.heartbeat_interval_s,
-                                         StaticInfo(max_num_seqs=config.worker.max_num_seqs,
-                                                    max_queued=config.worker.max_queued,
+        self.heartbeat = HeartbeatThread(endpoint, worker_id, self.incarnation, w.heartbeat_interval_s,
+                                         StaticInfo(max_num_seqs=w.max_num_seqs, max_queued=w.max_queued,
                                                     block_size=self.engine.config.block_size,
                                                     max_model_len=self.engine.max_model_len,
                                                     vocab_size=self.engine.model_config.vocab_size,
-                                                    device=str(self.device)))
-        self._probes: dict[str, tuple[int, float]] = {}
+                                                    device=str(self.device)),
+                                         self.progress, lambda: self.watchdog.status, w.hung_after_s)
+        self._probes: dict[str, tuple[int, float, bool]] = {}  # request id -> (probe id, started, report?)
         self._probe_ids = 0
         self._stopping = False
-        self._ready = False
+        self._loaded = False  # model loaded and warmed up
+        self._level = MemoryLevel.OK  # as last acted on, to log changes once
+        self._last_empty_cache_s = float("-inf")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (0) or a fatal error (1, after telling the gateway)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        # `kill -USR1 <pid>` writes every thread's stack to stderr (our log): a stuck worker can
+        # be diagnosed without a debugger, and faulthandler does it even while the GIL is held.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._publish()
         self.heartbeat.start()
-        self._warm_up()
-        self._ready = True
-        log.info("%s ready (incarnation %s) on %s", self.worker_id, self.incarnation, self.device)
+        self.watchdog.start()
+        reason = None
         try:
+            self._warm_up()
+            self._loaded = True
+            log.info("%s ready (incarnation %s) on %s", self.worker_id, self.incarnation, self.device)
             while not self._stopping:
                 self.run_once()
+            self._publish()  # the last heartbeat says draining
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+            log.exception("%s: fatal error, exiting", self.worker_id)
         finally:
-            self.heartbeat.stop()
+            self.watchdog.stop()
+            # Heartbeats stop before the exit message, so none can make the gateway think us alive after it.
+            self.heartbeat.stop(send_last=reason is None)
             self.heartbeat.join(timeout=2)
+            if reason is not None:
+                self.socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason)))
             self.socket.close()
-        return 0
+        return 0 if reason is None else 1
 
     def _on_signal(self, signum, _frame) -> None:
         log.info("%s: signal %d, stopping", self.worker_id, signum)
@@ -87,20 +115,70 @@ class WorkerService:
         from shared.sampling_params import SamplingParams
         self.engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
 
+    def is_ready(self) -> bool:
+        return self._loaded and not self._stopping and self.watchdog.status.level < MemoryLevel.CRITICAL
+
     # ---- one iteration -----------------------------------------------------------------------
     def run_once(self) -> None:
-        timeout = 0.0 if self.engine.has_unfinished_requests() else IDLE_POLL_S
+        engine = self.engine
+        timeout = 0.0 if engine.has_unfinished_requests() else IDLE_POLL_S
         for envelope in self.socket.recv_all(timeout):
             self._handle(envelope)
-        if self.engine.has_unfinished_requests():
+        self._check_memory()
+        if engine.has_unfinished_requests():
+            self.progress.expect_step()
             started = time.perf_counter()
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                outputs = self.engine.step()
+                outputs = engine.step()
             if self.stream is not None:
                 self.stream.synchronize()  # the sampled ids are read on the host right after
             self._emit(outputs, (time.perf_counter() - started) * 1e3)
+        self.progress.record(engine.has_unfinished_requests())
         self._publish()
 
+    # ---- memory: the loop decides, the scheduler and engine act ------------------------------
+    def _check_memory(self) -> None:
+        status = self.watchdog.update(self.engine.kv_pool_usage())
+        if status.level >= MemoryLevel.HIGH:
+            status = self._relieve(status.level)
+            self._maybe_empty_cache(status)
+            status = self.watchdog.status
+        if status.level != self._level:
+            log_fn = log.info if status.level < self._level else log.warning
+            log_fn("%s: %s", self.worker_id, self.watchdog.describe())
+            self._level = status.level
+        # Running requests go on; waiting ones wait (one is let in when nothing runs).
+        self.engine.scheduler.admission_paused = status.level >= MemoryLevel.HIGH
+
+    def _relieve(self, level: MemoryLevel) -> MemoryStatus:
+        """Free KV blocks until the reading would leave `level`: unreferenced prefix-cache blocks
+        first (cheap), then at CRITICAL the lowest-priority running requests (recompute later)."""
+        engine, watchdog = self.engine, self.watchdog
+        while (excess := watchdog.excess_blocks(level)) > 0:
+            if engine.evict_prefix_cache(excess) == 0:
+                if level < MemoryLevel.CRITICAL:
+                    break
+                victim = engine.scheduler.preempt_lowest()
+                if victim is None:
+                    break
+                log.warning("%s: memory CRITICAL, preempted %r (priority %d)", self.worker_id, victim.request_id,
+                            victim.priority)
+            watchdog.update_kv(engine.kv_pool_usage())
+        return watchdog.status
+
+    def _maybe_empty_cache(self, status: MemoryStatus) -> None:
+        """Hand the allocator's cached blocks back when fragmentation is large: between steps and at
+        most once per poll interval, since the allocations that follow pay for it."""
+        w, now = self.config.worker, time.monotonic()
+        threshold = w.empty_cache_fragmentation_bytes
+        if (not threshold or status.reading.fragmentation_bytes < threshold
+                or now - self._last_empty_cache_s < w.memory_poll_interval_s):
+            return
+        self._last_empty_cache_s = now
+        self.engine.empty_device_cache()
+        self.watchdog.update(self.engine.kv_pool_usage())
+
+    # ---- commands ----------------------------------------------------------------------------
     def _handle(self, envelope: worker_pb2.Envelope) -> None:
         kind = envelope.WhichOneof("body")
         if kind == "submit":
@@ -127,41 +205,57 @@ class WorkerService:
         return None
 
     def _probe(self, probe: worker_pb2.Probe) -> None:
+        started = time.perf_counter()
         if not probe.deep:
-            self._reply_probe(probe.probe_id, time.perf_counter(), ok=self._ready)
+            report = self.memory_report() if probe.memory_report else ""
+            self._reply_probe(probe.probe_id, started, ok=self.is_ready(), memory_report=report)
             return
         from shared.sampling_params import SamplingParams
         self._probe_ids += 1
         request_id = f"{_PROBE_PREFIX}{self._probe_ids}"
-        self._probes[request_id] = (probe.probe_id, time.perf_counter())
+        self._probes[request_id] = (probe.probe_id, started, probe.memory_report)
         self.engine.add_request(request_id, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                                 priority=-(2**31))
 
-    def _reply_probe(self, probe_id: int, started: float, ok: bool, error: str = "") -> None:
-        self.socket.send(worker_pb2.Envelope(probe_reply=worker_pb2.ProbeReply(
-            probe_id=probe_id, ok=ok, error=error, latency_ms=(time.perf_counter() - started) * 1e3)))
+    def memory_report(self) -> str:
+        """The watchdog's view, the allocator's full report (CUDA) or the resident set (CPU), and
+        the KV pool's layout."""
+        self.watchdog.update(self.engine.kv_pool_usage(), detailed=True)
+        return "\n".join([self.watchdog.describe(), self.memory_reader.report(), self.engine.describe_kv_pool()])
 
+    def _reply_probe(self, probe_id: int, started: float, ok: bool, error: str = "", memory_report: str = "") -> None:
+        self.socket.send(worker_pb2.Envelope(probe_reply=worker_pb2.ProbeReply(
+            probe_id=probe_id, ok=ok, error=error, latency_ms=(time.perf_counter() - started) * 1e3,
+            memory_report=memory_report)))
+
+    # ---- outputs -----------------------------------------------------------------------------
     def _emit(self, outputs: list[RequestOutput], step_ms: float) -> None:
         deltas = []
         for out in outputs:
             if out.request_id in self._probes:
                 if out.finished:
-                    probe_id, started = self._probes.pop(out.request_id)
-                    self._reply_probe(probe_id, started, ok=out.finish_reason == "length", error=out.error or "")
+                    probe_id, started, report = self._probes.pop(out.request_id)
+                    self._reply_probe(probe_id, started, ok=out.finish_reason == "length", error=out.error or "",
+                                      memory_report=self.memory_report() if report else "")
                 continue
-            deltas.append(worker_pb2.TokenDelta(
+            delta = worker_pb2.TokenDelta(
                 request_id=out.request_id, new_token_ids=out.new_token_ids, finished=out.finished,
                 finish_reason=out.finish_reason or "", error=out.error or "",
-                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens))
+                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                worker_queue_ms=out.worker_queue_ms, prefill_ms=out.prefill_ms)
+            if out.finished:
+                delta.num_preemptions, delta.peak_kv_blocks = out.num_preemptions, out.peak_kv_blocks
+            deltas.append(delta)
         if deltas:
             self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas, step_ms=step_ms)))
 
     def _publish(self) -> None:
         engine = self.engine
-        blocks = engine.block_manager
-        memory = read_memory(self.device, self.config.worker.memory_limit_bytes)
+        blocks, scheduler = engine.block_manager, engine.scheduler
         self.heartbeat.snapshot = LoadSnapshot(
-            ready=self._ready and not self._stopping, num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting), kv_blocks_total=blocks.num_blocks,
+            is_loaded=self._loaded, is_draining=self._stopping, num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting), kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=blocks.num_free_blocks, kv_blocks_cached=blocks.num_evictable_blocks,
-            memory_used_bytes=memory.used_bytes, memory_limit_bytes=memory.limit_bytes, memory_level=memory.level)
+            num_prefix_query_tokens=blocks.num_prefix_query_tokens, num_prefix_hit_tokens=blocks.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions, num_steps=engine.num_steps,
+            num_oom_recoveries=engine.num_oom_recoveries)
