@@ -104,6 +104,8 @@ class WorkerConfig:
     restart_backoff_s: float = 0.5  # supervisor: first delay before a restart, doubled per quick crash
     max_restart_backoff_s: float = 10.0
     cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the model process
+    quantization: str = "none"  # weight-only: none, int8, int4 or mixed (attention int8, MLP int4)
+    quantization_group_size: int = 128  # INT4 group size
     # The memory watchdog (worker/watchdog.py): levels as fractions of memory_limit_bytes. A level
     # is entered at its fraction and left below (fraction - memory_hysteresis_fraction).
     memory_high_fraction: float = 0.85  # HIGH: admit nothing new, evict prefix-cache blocks
@@ -127,6 +129,10 @@ class WorkerConfig:
                "worker.memory_hysteresis_fraction", self.memory_hysteresis_fraction, "in [0, memory_high_fraction)")
         for name in ("memory_poll_interval_s", "hung_after_s"):
             _check(getattr(self, name) > 0, f"worker.{name}", getattr(self, name), "> 0")
+        _check(self.quantization in ("none", "int8", "int4", "mixed"), "worker.quantization", self.quantization,
+               "none, int8, int4 or mixed")
+        _check(self.quantization_group_size >= 2 and self.quantization_group_size % 2 == 0,
+               "worker.quantization_group_size", self.quantization_group_size, "an even number >= 2")
         _check(0 < self.gpu_memory_utilization <= 1, "worker.gpu_memory_utilization",
                self.gpu_memory_utilization, "in (0, 1]")
         _check(self.heartbeat_interval_s > 0, "worker.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")

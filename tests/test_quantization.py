@@ -113,3 +113,16 @@ def test_unknown_preset_is_refused():
     from worker.model.quantize_model import QuantizationRule
     with pytest.raises(ValueError, match="quantization must be one of"):
         QuantizationRule.preset("int2")
+
+
+def test_engine_quantizes_by_config(checkpoints):
+    from worker.engine import Engine
+    from worker.model.quantization import QuantizedLinear
+    engine = Engine.from_model_dir(checkpoints["qwen2"], num_kv_blocks=32, quantization="mixed",
+                                   quantization_group_size=32)
+    attn, mlp = engine.model.layers[0].self_attn, engine.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, QuantizedLinear) and attn.qkv_proj.bits == 8
+    assert isinstance(mlp.down_proj, QuantizedLinear) and mlp.down_proj.bits == 4
+    assert engine.quantization_report.saved_bytes > 0
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Engine.from_model_dir(checkpoints["qwen2"], num_kv_blocks=32, quantization="int3")

@@ -24,6 +24,7 @@ from worker.memory import KVUsage
 from worker.model import cpu_kernels
 from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.config import ModelConfig
+from worker.model.quantize_model import PRESETS, QuantizationRule, quantize_model
 from worker.model.weights import load_model, resolve_dtype
 from worker.model_runner import ModelRunner, OutOfMemory, SequenceStep
 from worker.request import Request, RequestStatus
@@ -52,6 +53,8 @@ class EngineConfig:
     attention: str = "fast"  # "fast" or "reference"
     seed: int | None = None  # for requests without a seed of their own
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    quantization: str = "none"  # weight-only: "none", "int8", "int4" or "mixed" (worker/model/quantize_model.py)
+    quantization_group_size: int = 128  # INT4 group size
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -60,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"attention must be one of {sorted(_ATTENTION)}, got {self.attention!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in PRESETS:
+            raise ValueError(f"quantization must be one of {sorted(PRESETS)}, got {self.quantization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -101,6 +106,13 @@ class Engine:
             # than inside the first step.
             cpu_kernels.load()
         self.model = load_model(self.model_dir, device, config.dtype, max_positions=max_model_len)
+        self.quantization_report = None
+        if config.quantization != "none":
+            rule = QuantizationRule.preset(config.quantization, group_size=config.quantization_group_size)
+            self.quantization_report = quantize_model(self.model, rule)
+            log.info("quantized %s: %s, %.1f MiB -> %.1f MiB of weights, paths %s", config.quantization,
+                     self.quantization_report.num_quantized, self.quantization_report.float_bytes / 2**20,
+                     self.quantization_report.quantized_bytes / 2**20, self.quantization_report.paths)
         self.model_config = self.model.config
         self.device = device
         dtype = resolve_dtype(config.dtype, device, model_config)
