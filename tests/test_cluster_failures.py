@@ -120,9 +120,9 @@ def test_honcho_start_keeps_the_cluster_up_when_a_model_process_dies(served_chec
     config = cluster.config_path
     procfile = cluster.run_dir / "Procfile"
     procfile.write_text(
-        f"gateway: {python} -m gateway --config {config}\n"
-        f"worker0: {python} -m worker.supervisor --config {config} --worker-id worker-0\n"
-        f"worker1: {python} -m worker.supervisor --config {config} --worker-id worker-1\n")
+        f"gateway: exec {python} -m gateway --config {config}\n"
+        f"worker0: exec {python} -m worker.supervisor --config {config} --worker-id worker-0\n"
+        f"worker1: exec {python} -m worker.supervisor --config {config} --worker-id worker-1\n")
     log = open(cluster.run_dir / "honcho.log", "wb")
     honcho = subprocess.Popen([python, "-m", "honcho", "start", "-f", str(procfile), "-d", str(ROOT)],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
