@@ -48,14 +48,13 @@ def generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+    print()
     if last is not None and args.verbose:
         u, t = last.usage, last.timing
-        print(f"\n[{last.request_id} on {last.worker_id}: {FINISH_NAMES[last.finish_reason]}; "
+        print(f"[{last.request_id} on {last.worker_id}: {FINISH_NAMES[last.finish_reason]}; "
               f"{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens "
               f"({u.cached_prompt_tokens} cached); queue {t.queue_ms:.1f} ms, "
               f"first token {t.time_to_first_token_ms:.1f} ms, total {t.total_ms:.1f} ms]", file=sys.stderr)
-    else:
-        print()
     return 0
 
 

@@ -32,6 +32,20 @@ def test_encode_decode_and_chat_match_autotokenizer(tokenizer, served_checkpoint
     assert tokenizer.special.pad_id == reference.pad_token_id != reference.eos_token_id
 
 
+def test_the_default_model_tokenizer_matches_autotokenizer():
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+    folder = Path(__file__).resolve().parent.parent / "models" / "default"
+    ours, reference = Tokenizer(folder), AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    for text in TEXTS:
+        assert ours.encode(text) == reference.encode(text)
+    messages = [{"role": "user", "content": "What does len do?"}]
+    assert ours.encode_chat(messages) == reference.apply_chat_template(messages, tokenize=True,
+                                                                       add_generation_prompt=True, return_dict=False)
+    assert ours.special.eos_ids[0] == reference.eos_token_id and ours.warnings == []
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_incremental_detokenizer_never_splits_a_character(tokenizer, text):
     ids = tokenizer.encode(text)

@@ -6,8 +6,10 @@ callers keep the pure-torch path.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,7 +28,10 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
         build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-        build_dir = build_dir / "inference_cluster"
+        # One build per environment: torch's builder keys its cache on the include paths, so
+        # two virtual environments sharing a folder would rebuild each other's module forever.
+        env_key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+        build_dir = build_dir / "inference_cluster" / env_key
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("loading our CPU kernels (compiled on first use, about a minute)")
         return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_dir),

@@ -1,0 +1,78 @@
+"""Teacher-forced scoring with our own transformer: the log-likelihood of known text.
+
+Owns perplexity as the engine computes it. The text runs through the engine's model in
+prompt chunks over a paged KV cache of its own (the chunked-prefill path the runner
+drives), and the logits of every position are kept instead of only the last one.
+Long texts are cut into windows no longer than the model's context; each window is
+scored from scratch, as transformers scores one forward call.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from worker.kv_cache import allocate_kv_cache
+from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.transformer import AttentionFn, Transformer
+
+
+@dataclass(frozen=True)
+class Score:
+    nll: float  # summed negative log-likelihood, nats
+    num_predicted: int  # tokens that had a prediction (each window's first has none)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.num_predicted)
+
+
+@torch.inference_mode()
+def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
+               attention_fn: AttentionFn = paged_attention) -> Score:
+    """NLL of token_ids[1:] given their prefixes, the whole window as one sequence."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    num_tokens = len(token_ids)
+    num_blocks = -(-num_tokens // block_size)
+    kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+    # Reversed, so the attention has to follow the table rather than luck into identity.
+    table = list(reversed(range(num_blocks)))
+    block_tables = torch.tensor([table], device=device)
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
+    logprob_rows = []
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        positions = torch.arange(start, end, device=device)
+        # Flat slot of position p: its block's id * S + its offset in the block.
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(start, end)],
+                             device=device)  # [T]
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
+                                 seq_lens=torch.tensor([end], device=device), query_lens=[end - start],
+                                 context_lens=[start], num_decodes=int(end - start == 1 and start > 0))
+        hidden = model(ids[start:end], positions, kv_caches, meta, attention_fn)  # [T, hidden]
+        logprob_rows.append(model.compute_logits(hidden).float().log_softmax(dim=-1))  # [T, V]
+    # Row i predicts token i + 1; the last row predicts past the window.
+    logprobs = torch.cat(logprob_rows)[:-1]  # [L - 1, V]
+    targets = ids[1:].unsqueeze(1)  # [L - 1, 1]
+    nll = -logprobs.gather(1, targets).sum().item()
+    return Score(nll, num_tokens - 1)
+
+
+def score(model: Transformer, token_ids: Sequence[int], *, window: int, block_size: int = 16,
+          chunk_size: int = 128, attention_fn: AttentionFn = paged_attention) -> Score:
+    """Sum of `window_nll` over consecutive windows of at most `window` tokens."""
+    if window > model.config.max_position_embeddings:
+        raise ValueError(f"window {window} exceeds max_position_embeddings {model.config.max_position_embeddings}")
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids), window):
+        piece = token_ids[start:start + window]
+        if len(piece) < 2:
+            continue
+        part = window_nll(model, piece, block_size=block_size, chunk_size=chunk_size, attention_fn=attention_fn)
+        nll, count = nll + part.nll, count + part.num_predicted
+    if count == 0:
+        raise ValueError("nothing to score: every window is shorter than 2 tokens")
+    return Score(nll, count)
