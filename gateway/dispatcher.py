@@ -45,6 +45,8 @@ class Dispatcher:
         self._on_workers_changed = on_workers_changed
         self._liveness: dict[str, tuple[bool, bool]] = {}
         self._probes: dict[int, asyncio.Future] = {}
+        # Label lookups cost more than the observation itself: resolve each bucket's once.
+        self._itl_by_bucket = [self.metrics.itl.labels(str(b)) for b in range(len(q.bucket_bounds) + 1)]
         self._probe_ids = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -140,8 +142,7 @@ class Dispatcher:
             state.peak_kv_blocks = max(state.peak_kv_blocks, delta.peak_kv_blocks)
             if delta.new_token_ids:
                 if state.last_token_s is not None:
-                    self.metrics.itl.labels(str(state.bucket)).observe(
-                        (now - state.last_token_s) / len(delta.new_token_ids))
+                    self._itl_by_bucket[state.bucket].observe((now - state.last_token_s) / len(delta.new_token_ids))
                 self.metrics.generation_tokens.inc(len(delta.new_token_ids))
             stopped = state.on_tokens(list(delta.new_token_ids), now)
             if stopped:

@@ -1,0 +1,171 @@
+"""Start a real cluster (gateway + N workers, each its own process) for a benchmark, and always tear it down.
+
+The config is a TOML file written into a short temporary run folder (unix socket paths are
+length-limited) with a free loopback port. Every process starts in its own session, every
+wait is bounded, and `stop` kills each process group, so nothing outlives the benchmark even
+when it fails halfway. Also reports the processes' CPU time, which the benchmark charges to
+the cluster when it works out how much of the machine other programs took.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+
+from protos import inference_pb2, inference_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 180.0  # a first start may compile the CPU kernels (about a minute)
+STOP_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def render_config(top: dict, sections: dict[str, dict]) -> str:
+    lines = [f"{k} = {_toml(v)}" for k, v in top.items()]
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+class ClusterProcess:
+    """`with ClusterProcess(model_dir, 1, {"worker": {...}, "queues": {...}}) as c:` then load c.address."""
+
+    def __init__(self, model_dir: Path, num_workers: int = 1, sections: dict[str, dict] | None = None,
+                 gateway_module: list[str] | None = None, worker_module: list[str] | None = None):
+        """gateway_module / worker_module replace `gateway` / `worker` after `python -m` (e.g. to run the
+        gateway under cProfile, or a model-free worker); the worker gets `--worker-id ID` appended."""
+        self.gateway_module = gateway_module or ["gateway"]
+        self.worker_module = worker_module or ["worker"]
+        self.run_dir = Path(tempfile.mkdtemp(prefix="icb-"))
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.num_workers = num_workers
+        sections = {k: dict(v) for k, v in (sections or {}).items()}
+        sections["gateway"] = {"host": "127.0.0.1", "port": self.port, **sections.get("gateway", {})}
+        self.config_text = render_config({"model_dir": str(Path(model_dir).resolve()), "num_workers": num_workers,
+                                          "run_dir": str(self.run_dir)}, sections)
+        self.config_path = self.run_dir / "cluster.toml"
+        self.config_path.write_text(self.config_text)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, name: str, module_args: list[str]) -> None:
+        with open(self.run_dir / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", *module_args, "--config", str(self.config_path)], cwd=REPO_ROOT,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> "ClusterProcess":
+        try:
+            self._spawn("gateway", self.gateway_module)
+            for i in range(self.num_workers):
+                self._spawn(f"worker-{i}", [*self.worker_module, "--worker-id", f"worker-{i}"])
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> inference_pb2.ClusterStatus:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        with grpc.insecure_channel(self.address) as channel:
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
+            while time.monotonic() < deadline:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited {proc.returncode} during start-up:\n{self.logs(name)}")
+                try:
+                    last = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=2)
+                    if sum(w.ready for w in last.workers) >= self.num_workers:
+                        return last
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{self.num_workers} workers not ready within {timeout_s:.0f} s; last status: {last}\n"
+                           + "\n".join(self.logs(n) for n in self.procs))
+
+    def pids(self) -> dict[str, list[int]]:
+        """Each process and its descendants (a worker may have helper processes)."""
+        out = {}
+        for name, proc in self.procs.items():
+            try:
+                parent = psutil.Process(proc.pid)
+                out[name] = [proc.pid] + [c.pid for c in parent.children(recursive=True)]
+            except psutil.Error:
+                out[name] = []
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU time used so far by each process (with its descendants)."""
+        out = {}
+        for name, pids in self.pids().items():
+            total = 0.0
+            for pid in pids:
+                try:
+                    t = psutil.Process(pid).cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+            out[name] = total
+        return out
+
+    def logs(self, name: str, tail_chars: int = 4000) -> str:
+        path = self.run_dir / f"{name}.log"
+        return f"--- {name} ---\n" + (path.read_text(errors="replace")[-tail_chars:] if path.exists() else "")
+
+    def stop(self, keep_run_dir: bool = False) -> None:
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # Whatever is left of the group (the leader or stray children) goes now.
+            _signal_group(proc, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if not keep_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> "ClusterProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
