@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench lock protos clean
+.PHONY: run test bench bench-cluster lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.engine_throughput
+
+# The cluster against the in-process engine, and priority queues against FIFO (~3.5 min).
+bench-cluster: $(STAMP)
+	$(PY) -m bench.cluster_vs_engine
 
 # Regenerate the lock from pyproject.toml. torch is pinned to the CPU build
 # that CI installs; the project's own requirement stays a range.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,38 +17,21 @@ from pathlib import Path
 import grpc
 import psutil
 
+from bench.cluster_process import free_port, render_config
 from protos import inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
 def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_workers: int,
                  sections: dict[str, dict] | None = None, metrics_port: int = 0) -> Path:
     sections = {k: dict(v) for k, v in (sections or {}).items()}
-    gateway = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port, **sections.pop("gateway", {})}
-    worker = {"num_threads": 1, "num_kv_blocks": 128, **sections.pop("worker", {})}
-    lines = [f'model_dir = "{model_dir}"', f"num_workers = {num_workers}", f'run_dir = "{run_dir}"']
-    for name, values in (("gateway", gateway), ("worker", worker), *sections.items()):
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    path.write_text("\n".join(lines) + "\n")
+    sections["gateway"] = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port,
+                           **sections.get("gateway", {})}
+    sections["worker"] = {"num_threads": 1, "num_kv_blocks": 128, **sections.get("worker", {})}
+    path.write_text(render_config({"model_dir": str(model_dir), "num_workers": num_workers,
+                                   "run_dir": str(run_dir)}, sections))
     return path
 
 
