@@ -63,7 +63,7 @@ def test_kill_9_of_a_worker_mid_stream_resumes_every_stream_elsewhere(served_che
             assert got[0] == want[0], name  # no gap, no duplicate, same tokens
             assert got[1] == want[1]
         # The supervisor restarted the model process; it rejoins and is used again.
-        status = cluster.wait_ready(2, timeout_s=120)
+        status = cluster.wait_ready(timeout_s=120)
         assert status.workers[0].num_restarts >= 1
         assert cluster.model_pids("worker-0") and cluster.model_pids("worker-0") != [victim]
         used = set()
@@ -128,17 +128,15 @@ def test_honcho_start_keeps_the_cluster_up_when_a_model_process_dies(served_chec
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     cluster.procs["honcho"] = honcho
     try:
-        cluster.channel = grpc.insecure_channel(cluster.address)
-        from protos import inference_pb2_grpc
-        cluster.stub = inference_pb2_grpc.InferenceServiceStub(cluster.channel)
-        cluster.wait_ready(2)
+        cluster.connect()
+        cluster.wait_ready(timeout_s=120)
         [victim] = cluster.model_pids("worker-0")
         os.kill(victim, signal.SIGKILL)
         time.sleep(1.0)
         assert honcho.poll() is None, "honcho stopped the cluster"
         ids, _, _ = generate(cluster.stub, prompt="still up", sampling=dict(max_tokens=3))
         assert ids
-        status = cluster.wait_ready(2)
+        status = cluster.wait_ready(timeout_s=120)
         assert status.workers[0].num_restarts >= 1
         # Stopping honcho stops everything: supervisors pass SIGTERM on to their model processes.
         honcho.send_signal(signal.SIGTERM)
