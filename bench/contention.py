@@ -4,6 +4,7 @@ under foreign load are flagged: on 2 cores one busy neighbour stalls every 2-thr
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -53,3 +54,14 @@ def foreign_load(record: dict, key: str):
         own = (own1.user + own1.system) - (own0.user + own0.system)
         other = _busy_seconds(sys1) - _busy_seconds(sys0) - own
         record[key] = max(0.0, other) / (wall * (psutil.cpu_count() or 1)) if wall > 0 else 0.0
+
+
+def wait_for_idle(max_wait_s: float) -> list[str]:
+    """Wait (up to max_wait_s) until no other process is busy; returns whoever still is."""
+    busy = busy_other_processes()
+    deadline = time.monotonic() + max_wait_s
+    while busy and time.monotonic() < deadline:
+        print(f"[bench {time.strftime('%H:%M:%S')}] waiting for an idle CPU: {busy}", file=sys.stderr, flush=True)
+        time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
+        busy = busy_other_processes()
+    return busy

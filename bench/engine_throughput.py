@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench import hardware_bounds as hw
-from bench.contention import FOREIGN_LOAD_WARN, busy_other_processes, foreign_load
+from bench.contention import FOREIGN_LOAD_WARN, busy_other_processes, foreign_load, wait_for_idle
 from bench.checkpoints import ensure_bench_small
 from bench.decode_rate import DecodeRate, measure_decode_rate
 from bench.engine_runs import MAX_MODEL_LEN, EngineSettings, KVUsage, blocks_for
@@ -63,16 +63,6 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
     # The continuous-batching logger does not propagate to transformers' root logger, so quiet it directly.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-
-
-def wait_for_idle(max_wait_s: float) -> list[str]:
-    busy = busy_other_processes()
-    deadline = time.monotonic() + max_wait_s
-    while busy and time.monotonic() < deadline:
-        log(f"waiting for an idle CPU: {busy}")
-        time.sleep(min(15.0, max(0.0, deadline - time.monotonic())))
-        busy = busy_other_processes()
-    return busy
 
 
 def agreement(ours: list[list[int]] | None, theirs: list[list[int]] | None) -> str:

@@ -177,7 +177,7 @@ class Dispatcher:
         while len(self.queue):
             now = time.monotonic()
             self._expire(now)
-            worker = self._pick_worker(now)
+            worker = self.registry.pick(now, 1)
             if worker is None:
                 return
             budget = {"blocks": worker.free_blocks()}
@@ -197,9 +197,6 @@ class Dispatcher:
             if not batch:
                 return
             await self._send_batch(worker, [item.payload for item in batch], now)
-
-    def _pick_worker(self, now: float) -> WorkerHandle | None:
-        return self.registry.pick(now, 1)
 
     async def _send_batch(self, worker: WorkerHandle, states: list[RequestState], now: float) -> None:
         wire = []

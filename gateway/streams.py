@@ -53,7 +53,6 @@ class RequestState:
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self._pending_text = ""  # decoded but held back: it might be the start of a stop string
-        self._sent_text_len = 0
         self._hold_back = max((len(s) for s in self.params.stop), default=1) - 1
 
     @property
@@ -83,7 +82,6 @@ class RequestState:
         return False
 
     def _emit(self, text: str, token_ids: list[int]) -> None:
-        self._sent_text_len += len(text)
         self.events.put_nowait(StreamEvent(text=text, token_ids=list(token_ids)))
 
     def finish(self, reason: str, now_s: float, error: str = "") -> None:

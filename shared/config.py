@@ -7,7 +7,6 @@ Every value can be overridden on the command line with a flag named after it
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tomllib
 import types
@@ -269,7 +268,3 @@ def _convert(hint, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be a string, got {value!r}")
         return str(value)
     return value
-
-
-def as_dict(config: ClusterConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)

@@ -20,6 +20,7 @@ import torch
 from protos import worker_pb2
 from shared.config import ClusterConfig
 from shared.ipc import WorkerSocket, new_incarnation
+from shared.sampling_params import SamplingParams
 from shared.wire import sampling_from_wire
 from worker.engine import Engine, RequestOutput
 from worker.memory import MemoryReader, MemoryReading
@@ -113,7 +114,6 @@ class WorkerService:
 
     def _warm_up(self) -> None:
         """One real one-token generation, so the first client request pays no first-call costs."""
-        from shared.sampling_params import SamplingParams
         self.engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), use_tqdm=False)
 
     def is_ready(self) -> bool:
@@ -211,7 +211,6 @@ class WorkerService:
             report = self.memory_report() if probe.memory_report else ""
             self._reply_probe(probe.probe_id, started, ok=self.is_ready(), memory_report=report)
             return
-        from shared.sampling_params import SamplingParams
         self._probe_ids += 1
         request_id = f"{_PROBE_PREFIX}{self._probe_ids}"
         self._probes[request_id] = (probe.probe_id, started, probe.memory_report)
