@@ -90,7 +90,7 @@ def parse_args(argv):
                    help="wait up to S seconds for other processes to stop using the CPU before starting")
     p.add_argument("--retries", type=int, default=1,
                    help=f"re-run a measurement (after waiting up to 2 min for an idle CPU) when other processes "
-                        f"used > {FOREIGN_WARN:.0%} of the CPU during it; the least-disturbed attempt is kept")
+                        f"used > {FOREIGN_WARN * 100:.0f}%% of the CPU during it; the least-disturbed attempt is kept")
     return p.parse_args(argv)
 
 
