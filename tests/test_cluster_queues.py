@@ -104,7 +104,7 @@ def test_deadline_while_running_aborts_on_the_worker(cluster):
 def test_full_queue_answers_resource_exhausted_with_a_retry_hint(cluster):
     stream = blocker(cluster)
     queued = [cluster.stub.Generate(inference_pb2.GenerateRequest(
-        prompt_token_ids=[20 + i], sampling=inference_pb2.SamplingOptions(max_tokens=2)), timeout=60)
+        prompt_token_ids=[20 + i], sampling=inference_pb2.SamplingOptions(max_tokens=2, ignore_eos=True)), timeout=60)
         for i in range(6)]
     deadline = time.monotonic() + 10
     while cluster.status().num_queued < 6 and time.monotonic() < deadline:
