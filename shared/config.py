@@ -103,8 +103,18 @@ class WorkerConfig:
     restart_backoff_s: float = 0.5  # supervisor: first delay before a restart, doubled per quick crash
     max_restart_backoff_s: float = 10.0
     cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the model process
+    # Weight placement (worker/model/placement.py): "full" (every weight on `device`), "sharded"
+    # (layers split in pipeline stages over `devices`) or "on_demand" (weights in host memory, each
+    # layer copied to the device as it runs: a model bigger than the device, slower).
+    load_mode: str = "full"
+    devices: tuple[str, ...] = ()  # sharded only, e.g. ["cuda:0", "cuda:1"]: one per stage, in order
     quantization: str = "none"  # weight-only: none, int8, int4 or mixed (attention int8, MLP int4)
     quantization_group_size: int = 128  # INT4 group size
+    quantization_symmetric: bool = False  # INT4 without zero points
+    quantization_rule: str = ""  # replaces mixed's "attention:int8,mlp:int4", e.g. "params>=1e6:int8,*:int4"
+    # Activation-aware scales from "self" (the model's own samples), a text file, or "none"
+    # (plain rounding). Saved beside the checkpoint (or in ~/.cache) and reused at the next start.
+    quantization_calibration: str = "self"
     # The memory watchdog (worker/watchdog.py): levels as fractions of memory_limit_bytes. A level
     # is entered at its fraction and left below (fraction - memory_hysteresis_fraction).
     memory_high_fraction: float = 0.85  # HIGH: admit nothing new, evict prefix-cache blocks
@@ -132,6 +142,16 @@ class WorkerConfig:
                "none, int8, int4 or mixed")
         _check(self.quantization_group_size >= 2 and self.quantization_group_size % 2 == 0,
                "worker.quantization_group_size", self.quantization_group_size, "an even number >= 2")
+        _check(self.quantization_calibration in ("self", "none") or os.path.isfile(self.quantization_calibration),
+               "worker.quantization_calibration", self.quantization_calibration, "self, none or an existing text file")
+        _check(self.load_mode in ("full", "sharded", "on_demand"), "worker.load_mode", self.load_mode,
+               "full, sharded or on_demand")
+        if self.load_mode == "sharded":
+            _check(len(self.devices) >= 2, "worker.devices", list(self.devices),
+                   "at least 2 devices (one per pipeline stage) with load_mode sharded")
+        else:
+            _check(not self.devices, "worker.devices", list(self.devices),
+                   f"empty unless load_mode is sharded (it is {self.load_mode!r}; use worker.device)")
         _check(0 < self.gpu_memory_utilization <= 1, "worker.gpu_memory_utilization",
                self.gpu_memory_utilization, "in (0, 1]")
         _check(self.heartbeat_interval_s > 0, "worker.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args, load_config
+from worker.service import engine_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,6 +34,11 @@ def test_every_value_has_a_flag_and_flags_override_the_file():
     assert config.gateway.port == 6000 and config.queues.bucket_bounds == (64, 256)
     assert config.worker.enable_prefix_caching is False and config.model_dir == "/models/x"
     assert config.queues.policy == "fifo" and config.worker_ids == ["worker-0", "worker-1", "worker-2"]
+    quantized = parse(["--worker.quantization", "mixed", "--worker.quantization_rule", "params>=1e6:int8,*:int4",
+                       "--worker.quantization_calibration", "none"])
+    overrides = engine_overrides(quantized)
+    assert overrides["quantization_rule"] == "params>=1e6:int8,*:int4"
+    assert overrides["quantization_calibration"] == "none" and overrides["quantization"] == "mixed"
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
     flags = {a.dest for a in parser._actions}
@@ -50,6 +56,7 @@ def test_every_value_has_a_flag_and_flags_override_the_file():
     ({"queues.policy": "lifo"}, "queues.policy"),
     ({"queues.max_queue_wait_s": [[0, -1.0]]}, "queues.max_queue_wait_s"),
     ({"num_workers": 0}, "num_workers"),
+    ({"worker.quantization_calibration": "/no/such/calibration.txt"}, "worker.quantization_calibration"),
 ])
 def test_bad_values_are_refused_by_name(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):

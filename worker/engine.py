@@ -6,6 +6,7 @@ time (what the worker process wraps), and `generate` runs a whole batch offline.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -24,7 +25,11 @@ from worker.memory import KVUsage
 from worker.model import cpu_kernels
 from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.config import ModelConfig
+from worker.calibrate import load_or_calibrate
+from worker.model.calibration import CalibrationSettings
 from worker.model.quantize_model import PRESETS, QuantizationRule, quantize_model
+from worker.model.quantized_checkpoint import quantization_config
+from worker.model.placement import attach_placement, plan_weights, validate_load_mode
 from worker.model.weights import load_model, resolve_dtype
 from worker.model_runner import ModelRunner, OutOfMemory, SequenceStep
 from worker.request import Request, RequestStatus
@@ -55,8 +60,18 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     quantization: str = "none"  # weight-only: "none", "int8", "int4" or "mixed" (worker/model/quantize_model.py)
     quantization_group_size: int = 128  # INT4 group size
+    # How weights are placed (worker/model/placement.py): "full" (all on `device`), "sharded" (layers
+    # split in pipeline stages over `devices`) or "on_demand" (host memory, each layer copied in as it runs).
+    load_mode: str = "full"
+    devices: tuple[str, ...] = ()  # sharded only: one device per stage, in pipeline order
+    quantization_symmetric: bool = False  # INT4 without zero points
+    quantization_rule: str | None = None  # replaces the mixed preset's rule, e.g. "params>=1e6:int8,*:int4"
+    # Activation-aware scales: "self" (the model's own samples), a text file's path, or "none" (plain rounding).
+    quantization_calibration: str = "self"
 
     def __post_init__(self):
+        object.__setattr__(self, "devices", tuple(self.devices))  # a list from TOML or a caller
+        validate_load_mode(self.load_mode, self.devices, self.device)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.attention not in _ATTENTION:
@@ -67,6 +82,13 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {sorted(PRESETS)}, got {self.quantization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self.quantization_rule_parsed()  # a bad rule is refused here, not at load
+        if self.quantization_calibration != "none":
+            CalibrationSettings(source=self.quantization_calibration)
+
+    def quantization_rule_parsed(self) -> QuantizationRule:
+        return QuantizationRule.preset(self.quantization, self.quantization_rule,
+                                       group_size=self.quantization_group_size, symmetric=self.quantization_symmetric)
 
 
 @dataclass
@@ -92,8 +114,11 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                              else "cpu" if config.device == "auto" else config.device)
+        if config.load_mode == "sharded":
+            device = torch.device(config.devices[0])  # the first stage takes the inputs
+        else:
+            device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
+                                  else "cpu" if config.device == "auto" else config.device)
         self.model_dir = Path(model_dir)
         model_config = ModelConfig.from_model_dir(self.model_dir)  # read first: it sizes the rotary table
         max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -105,20 +130,28 @@ class Engine:
             # Build (first use only, about a minute) or load our CPU kernels now rather
             # than inside the first step.
             cpu_kernels.load()
-        self.model = load_model(self.model_dir, device, config.dtype, max_positions=max_model_len)
-        self.quantization_report = None
-        if config.quantization != "none":
-            rule = QuantizationRule.preset(config.quantization, group_size=config.quantization_group_size)
-            self.quantization_report = quantize_model(self.model, rule)
-            log.info("quantized %s: %s, %.1f MiB -> %.1f MiB of weights, paths %s", config.quantization,
-                     self.quantization_report.num_quantized, self.quantization_report.float_bytes / 2**20,
-                     self.quantization_report.quantized_bytes / 2**20, self.quantization_report.paths)
+        stored = quantization_config(self.model_dir)
+        if stored is not None and config.quantization != "none":
+            raise ValueError(f"{self.model_dir} is already quantized ({stored.get('rule')}); serve it with "
+                             f"quantization 'none', or quantize its float source instead")
+        # Refused here, before any weight is read: e.g. more pipeline stages than layers.
+        self.placement_plan = plan_weights(config.load_mode, device, config.devices, model_config.num_layers)
+        started = time.perf_counter()
+        self.model = load_model(self.model_dir, device, config.dtype, max_positions=max_model_len,
+                                placement=self.placement_plan)
+        attach_placement(self.model, self.placement_plan)
+        self.load_seconds = time.perf_counter() - started  # read + placed (pinning, slots); quantization apart
+        log.info("load_mode %s: weights loaded and placed in %.2f s (%s)", config.load_mode, self.load_seconds,
+                 self.placement_plan.describe())
         self.model_config = self.model.config
         self.device = device
         dtype = resolve_dtype(config.dtype, device, model_config)
-        self.sampler = Sampler(device, seed=config.seed)
+        # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
+        self.output_device = self.model.output_device
+        self.sampler = Sampler(self.output_device, seed=config.seed)
         num_blocks = self._num_kv_blocks(dtype, max_model_len)
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype, device)
+        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
+                                           self.model.layer_devices)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -133,6 +166,13 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a forward
         self._bytes_per_block = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) // num_blocks
+        # Quantized last: calibration runs the float model through this engine's own generate.
+        self.quantization_report = self.calibration = None
+        if config.quantization != "none":
+            self._quantize()
+        if self.quantization_report is not None:
+            # Quantization replaced layer tensors: on_demand's pinned host copies and slots are rebuilt.
+            attach_placement(self.model, self.placement_plan)
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
                  config.block_size)
 
@@ -151,13 +191,30 @@ class Engine:
         if self.device.type == "cuda":
             probe = ModelRunner(self.model, [], config.block_size, config.max_num_batched_tokens,
                                 config.max_num_seqs, max_model_len, self.sampler)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            # Sharded: each device holds the KV of its own layers; the pool is what the tightest fits.
+            layers_per_device = collections.Counter(self.model.layer_devices)
+            for device in layers_per_device:
+                torch.cuda.reset_peak_memory_stats(device)
             probe.profile_peak_memory()
-            torch.cuda.synchronize(self.device)
+            for device in layers_per_device:
+                torch.cuda.synchronize(device)
             del probe
-            return num_blocks_from_free_cuda_memory(self.model_config, config.block_size, dtype, self.device,
-                                                    config.gpu_memory_utilization)
+            return min(num_blocks_from_free_cuda_memory(self.model_config, config.block_size, dtype, device,
+                                                        config.gpu_memory_utilization, num_layers)
+                       for device, num_layers in layers_per_device.items())
         return num_blocks_for_budget(self.model_config, config.block_size, dtype, config.kv_cache_bytes)
+
+    def _quantize(self) -> None:
+        config = self.config
+        rule = config.quantization_rule_parsed()
+        input_scales = None
+        if config.quantization_calibration != "none":
+            self.calibration, _ = load_or_calibrate(self, rule, CalibrationSettings(source=config.quantization_calibration))
+            input_scales = self.calibration.input_scales
+        report = self.quantization_report = quantize_model(self.model, rule, input_scales=input_scales)
+        self.block_manager.reset_prefix_cache()  # K/V the float model computed
+        log.info("quantized %s (%s): %s, %.1f MiB -> %.1f MiB of weights, paths %s", config.quantization, rule.text,
+                 report.num_quantized, report.float_bytes / 2**20, report.quantized_bytes / 2**20, report.paths)
 
     # ---- the per-step API -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -183,7 +240,7 @@ class Engine:
             request.append_token(token_id)
         self.scheduler.add(request)
         if params.seed is not None:
-            self._generators[request_id] = make_generator(params.seed, self.device)
+            self._generators[request_id] = make_generator(params.seed, self.output_device)
 
     def abort(self, request_id: str) -> None:
         """Abort a request in any state now, freeing its blocks. Unknown ids are a no-op."""

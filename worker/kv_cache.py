@@ -5,6 +5,7 @@ Owns the tensors only; which request holds which block is the block manager's bu
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import torch
 
@@ -15,25 +16,28 @@ log = logging.getLogger(__name__)
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block."""
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """K and V, every layer (or `num_layers` of them, e.g. one device's share), one block."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+    num_layers = config.num_layers if num_layers is None else num_layers
+    return 2 * num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                          num_layers: int | None = None) -> int:
+    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype, num_layers)
     if num_blocks < 1:
         raise ValueError(
             f"KV budget of {budget_bytes} bytes is smaller than one block "
-            f"({bytes_per_block(config, block_size, dtype)} bytes)")
+            f"({bytes_per_block(config, block_size, dtype, num_layers)} bytes)")
     return int(num_blocks)
 
 
 def num_blocks_from_free_cuda_memory(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                                     device: torch.device, utilization: float) -> int:
+                                     device: torch.device, utilization: float, num_layers: int | None = None) -> int:
     """After a profiling forward has run: what the device has left, times `utilization`
-    of its total, minus what is already in use, turned into blocks."""
+    of its total, minus what is already in use, turned into blocks of the `num_layers`
+    layers whose KV this device holds (all by default)."""
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     used_bytes = total_bytes - free_bytes
     # Room for the peak activations seen while profiling beyond what is allocated now.
@@ -41,25 +45,33 @@ def num_blocks_from_free_cuda_memory(config: ModelConfig, block_size: int, dtype
     budget = int(total_bytes * utilization) - used_bytes - peak_extra
     log.info("KV budget on %s: %.1f MiB (total %.1f MiB, used %.1f MiB, activation peak %.1f MiB)",
              device, budget / 2**20, total_bytes / 2**20, used_bytes / 2**20, peak_extra / 2**20)
-    return num_blocks_for_budget(config, block_size, dtype, budget)
+    return num_blocks_for_budget(config, block_size, dtype, budget, num_layers)
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[KVCache]:
+                      device: torch.device | str | Sequence[torch.device]) -> list[KVCache]:
+    """One (K, V) pair per layer, on `device`, or on each layer's own device when given one per
+    layer (a sharded model keeps a layer's KV beside the layer)."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    layer_devices = list(device) if isinstance(device, (list, tuple)) else [device] * config.num_layers
+    if len(layer_devices) != config.num_layers:
+        raise ValueError(f"got {len(layer_devices)} KV devices for {config.num_layers} layers")
     # zeros, not empty: a padded slot read by masked attention must never hold NaN bits
     # (0 * NaN is NaN even where the mask removes it).
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)]
+    return [(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
+            for d in layer_devices]
 
 
 def copy_blocks(kv_caches: list[KVCache], pairs: list[tuple[int, int]]) -> None:
     """Copy-on-write: duplicate block src into block dst in every layer."""
     if not pairs:
         return
-    device = kv_caches[0][0].device
-    src = torch.tensor([s for s, _ in pairs], device=device)
-    dst = torch.tensor([d for _, d in pairs], device=device)
+    indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one upload per device
     for k_cache, v_cache in kv_caches:
+        device = k_cache.device
+        if device not in indices:
+            indices[device] = (torch.tensor([s for s, _ in pairs], device=device),
+                               torch.tensor([d for _, d in pairs], device=device))
+        src, dst = indices[device]
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]

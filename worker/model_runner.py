@@ -62,7 +62,9 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.attention_fn = attention_fn
-        self.device = next(model.parameters()).device
+        self.device = model.input_device  # where a step's inputs go
+        # Where logits come out: the last pipeline stage's device when the model is sharded.
+        self.output_device = model.output_device
         self.max_num_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -83,7 +85,7 @@ class ModelRunner:
         self._device = ({name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
                         if is_cuda else self._host)
         self.logits = torch.zeros(max_num_seqs, model.config.vocab_size,
-                                  dtype=next(model.parameters()).dtype, device=self.device)
+                                  dtype=model.embed_tokens.weight.dtype, device=self.output_device)
         # Fault injection for tests: called with a step's sequences before its forward; it may
         # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
         self.fault_hook: Callable[[list[SequenceStep]], None] | None = None
@@ -146,6 +148,7 @@ class ModelRunner:
             if not sampled:
                 return [None] * len(seqs)
             logits = self.logits[:len(sampled)]
+            logits_indices = logits_indices.to(self.output_device, non_blocking=True)
             self.model.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
             batch = SamplingBatch(params=[seqs[order[j]].params for j in sampled],
                                   generators=[seqs[order[j]].generator for j in sampled],
@@ -216,8 +219,8 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         dtype = self.logits.dtype
         shape = (num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
-        scratch = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                    torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(config.num_layers)]
+        scratch = [(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
+                   for d in self.model.layer_devices]
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         meta = AttentionMetadata(

@@ -30,14 +30,15 @@ class Score:
 
 
 @torch.inference_mode()
-def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
-               attention_fn: AttentionFn = paged_attention) -> Score:
-    """NLL of token_ids[1:] given their prefixes, the whole window as one sequence."""
-    device = next(model.parameters()).device
+def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
+                    attention_fn: AttentionFn = paged_attention) -> torch.Tensor:
+    """Log-probabilities [L, V] (float32) of the next token after each of token_ids' L
+    positions, the whole window as one sequence."""
+    device = model.input_device
     dtype = next(model.parameters()).dtype
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
-    kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+    kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, model.layer_devices)
     # Reversed, so the attention has to follow the table rather than luck into identity.
     table = list(reversed(range(num_blocks)))
     block_tables = torch.tensor([table], device=device)
@@ -53,10 +54,18 @@ def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int 
                                  seq_lens=torch.tensor([end], device=device), query_lens=[end - start],
                                  context_lens=[start], num_decodes=int(end - start == 1 and start > 0))
         hidden = model(ids[start:end], positions, kv_caches, meta, attention_fn)  # [T, hidden]
-        logprob_rows.append(model.compute_logits(hidden).float().log_softmax(dim=-1))  # [T, V]
+        logprob_rows.append(model.compute_logits(hidden).float().log_softmax(dim=-1).to(device))  # [T, V]
+    return torch.cat(logprob_rows)
+
+
+def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
+               attention_fn: AttentionFn = paged_attention) -> Score:
+    """NLL of token_ids[1:] given their prefixes, the whole window as one sequence."""
     # Row i predicts token i + 1; the last row predicts past the window.
-    logprobs = torch.cat(logprob_rows)[:-1]  # [L - 1, V]
-    targets = ids[1:].unsqueeze(1)  # [L - 1, 1]
+    logprobs = window_logprobs(model, token_ids, block_size=block_size, chunk_size=chunk_size,
+                               attention_fn=attention_fn)[:-1]  # [L - 1, V]
+    num_tokens = len(token_ids)
+    targets = torch.tensor(list(token_ids[1:]), dtype=torch.int64, device=logprobs.device).unsqueeze(1)  # [L - 1, 1]
     nll = -logprobs.gather(1, targets).sum().item()
     return Score(nll, num_tokens - 1)
 

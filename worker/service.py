@@ -36,12 +36,14 @@ _PROBE_PREFIX = "\x00probe-"  # ids the gateway can never send (it rejects contr
 def engine_overrides(config: ClusterConfig) -> dict:
     w = config.worker
     return dict(device=w.device, dtype=w.dtype or None, block_size=w.block_size, quantization=w.quantization,
-                quantization_group_size=w.quantization_group_size,
+                quantization_group_size=w.quantization_group_size, quantization_symmetric=w.quantization_symmetric,
+                quantization_rule=w.quantization_rule or None, quantization_calibration=w.quantization_calibration,
                 num_kv_blocks=w.num_kv_blocks or None, kv_cache_bytes=w.kv_cache_bytes,
                 gpu_memory_utilization=w.gpu_memory_utilization, max_num_seqs=w.max_num_seqs,
                 max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=w.max_model_len or None,
                 max_prefill_chunk_tokens=w.max_prefill_chunk_tokens or None,
-                enable_prefix_caching=w.enable_prefix_caching, num_threads=config.worker_threads())
+                enable_prefix_caching=w.enable_prefix_caching, num_threads=config.worker_threads(),
+                load_mode=w.load_mode, devices=w.devices)
 
 
 class WorkerService:

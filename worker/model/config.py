@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
 _MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+# The quant_method our own quantized checkpoints carry (worker/model/quantized_checkpoint.py).
+OUR_QUANT_METHOD = "inference-cluster-woq"
 
 
 class UnsupportedModelError(ValueError):
@@ -142,6 +144,10 @@ def _refuse_unsupported(hf: dict) -> None:
     odd = sorted({t for t in layer_types if t != "full_attention"})
     if odd:
         raise UnsupportedModelError(f"layer types {odd} are not supported; only full_attention")
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method is not None and method != OUR_QUANT_METHOD:
+        raise UnsupportedModelError(f"checkpoints quantized with {method!r} are not supported; quantize the float "
+                                    f"checkpoint with `python -m tools.quantize_checkpoint` instead")
     if int(hf.get("pretraining_tp", 1)) != 1:
         raise UnsupportedModelError(f"pretraining_tp={hf['pretraining_tp']} is not supported")
 

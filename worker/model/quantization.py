@@ -116,39 +116,72 @@ def _torch_int4_operands(qw: QuantizedWeight, device: torch.device):
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ b) with W stored quantized. `path` is "kernel" (torch's packed matmul) or
-    "dequant" (W rebuilt into a reused float buffer, then the float matmul)."""
+    """y = (x * input_scale) W^T (+ b) with W stored quantized. `path` is "kernel" (torch's
+    packed matmul) or "dequant" (W rebuilt into a reused float buffer, then the float matmul).
+
+    Its state is persistent buffers (`qweight`, `scales`, optional `zeros` and `input_scale`)
+    and an optional `bias`, so `state_dict` saves it and a shell from `empty` loads it back.
+    `input_scale` is activation-aware scaling (worker/model/calibration.py): the stored
+    weight is W / input_scale per input channel, so salient channels were quantized larger."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                 path: str = "dequant"):
+                 path: str = "dequant", input_scale: torch.Tensor | None = None):
         super().__init__()
-        self.qw = qw
         self.bits = qw.bits
-        self.dtype = dtype
-        self.register_buffer("qweight", qw.qweight, persistent=False)
-        self.register_buffer("scales", qw.scales.to(dtype), persistent=False)
-        self.register_buffer("zeros", None if qw.zeros is None else qw.zeros.to(dtype), persistent=False)
+        self.shape = tuple(qw.shape)
+        self.group_size = qw.group_size
+        self.register_buffer("qweight", qw.qweight)
+        self.register_buffer("scales", qw.scales.to(dtype))
+        self.register_buffer("zeros", None if qw.zeros is None else qw.zeros.to(dtype))
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self._dequant_buffer: torch.Tensor | None = None
-        self._int4_operands = None
+        self._int4_operands: tuple[torch.device, tuple] | None = None  # (built for, operands)
         self.path = path
+
+    @classmethod
+    def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
+              has_input_scale: bool = False, dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
+        """A shell with the right buffers (uninitialised) for `load_state_dict` to fill."""
+        n, k = shape
+        if bits == 8:
+            qw = QuantizedWeight(8, torch.empty(n, k, dtype=torch.int8), torch.empty(n), None, (n, k))
+        elif bits == 4:
+            groups = k // group_size
+            qw = QuantizedWeight(4, torch.empty(n, k // 2, dtype=torch.uint8), torch.empty(n, groups),
+                                 torch.empty(n, groups), (n, k), group_size)
+        else:
+            raise ValueError(f"bits must be 8 or 4, got {bits}")
+        return cls(qw, torch.empty(n) if has_bias else None, dtype,
+                   input_scale=torch.empty(k) if has_input_scale else None)
+
+    @property
+    def qw(self) -> QuantizedWeight:
+        return QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.shape, self.group_size)
 
     @property
     def out_features(self) -> int:
-        return self.qw.shape[0]
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
 
     def dequantized(self) -> torch.Tensor:
-        """The float weight, rebuilt into one buffer that is reused call after call."""
-        qw = QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.qw.shape, self.qw.group_size)
-        if self._dequant_buffer is None or self._dequant_buffer.device != self.qweight.device:
-            self._dequant_buffer = torch.empty(qw.shape, dtype=self.dtype, device=self.qweight.device)
+        """The float weight as stored (W / input_scale), rebuilt into one buffer that is
+        reused call after call."""
+        buffer = self._dequant_buffer
+        if buffer is None or buffer.device != self.qweight.device or buffer.dtype != self.scales.dtype:
+            buffer = self._dequant_buffer = torch.empty(self.shape, dtype=self.scales.dtype, device=self.qweight.device)
         if self.bits == 8:
-            torch.mul(self.qweight.to(self.dtype), self.scales[:, None], out=self._dequant_buffer)
+            torch.mul(self.qweight.to(buffer.dtype), self.scales[:, None], out=buffer)
         else:
-            self._dequant_buffer.copy_(dequantize_int4(qw, self.dtype))
-        return self._dequant_buffer
+            buffer.copy_(dequantize_int4(self.qw, buffer.dtype))
+        return buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+        if self.input_scale is not None:
+            x = x * self.input_scale
         if self.path == "kernel":
             y = self._kernel(x)
             return y if self.bias is None else y + self.bias
@@ -157,25 +190,27 @@ class QuantizedLinear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)
-        if self._int4_operands is None:
-            self._int4_operands = _torch_int4_operands(self.qw, x.device)
-        packed, scales_and_zeros = self._int4_operands
+        # torch's packed layout is built once per device (a layer loaded on demand moves).
+        if self._int4_operands is None or self._int4_operands[0] != x.device:
+            self._int4_operands = (x.device, _torch_int4_operands(self.qw, x.device))
+        packed, scales_and_zeros = self._int4_operands[1]
         if x.device.type == "cpu":
-            return torch._weight_int4pack_mm_for_cpu(x, packed, self.qw.group_size, scales_and_zeros)
-        return torch._weight_int4pack_mm(x.to(torch.bfloat16), packed, self.qw.group_size,
+            return torch._weight_int4pack_mm_for_cpu(x, packed, self.group_size, scales_and_zeros)
+        return torch._weight_int4pack_mm(x.to(torch.bfloat16), packed, self.group_size,
                                          scales_and_zeros).to(x.dtype)
 
     def kernel_available(self, device: torch.device) -> bool:
         if self.bits == 8:
             return hasattr(torch, "_weight_int8pack_mm")
-        return _torch_int4_operands(self.qw, device) is not None if self.qw.shape[1] % 64 == 0 else False
+        return _torch_int4_operands(self.qw, device) is not None if self.shape[1] % 64 == 0 else False
 
 
 def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
     """Time both paths on this layer's shape and device; keep the faster correct one."""
-    x = torch.randn(rows, layer.qw.shape[1], dtype=layer.dtype, device=layer.qweight.device)
+    x = torch.randn(rows, layer.in_features, dtype=layer.scales.dtype, device=layer.qweight.device)
     timings = {}
-    reference = F.linear(x, layer.dequantized())
+    scaled = x if layer.input_scale is None else x * layer.input_scale
+    reference = F.linear(scaled, layer.dequantized())
     for path in ("kernel", "dequant"):
         if path == "kernel" and not layer.kernel_available(x.device):
             continue

@@ -5,7 +5,7 @@ AttentionMetadata per step; returns hidden states. Knows nothing of requests or 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -17,6 +17,15 @@ from worker.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, appl
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V pools, each [N, S, Hkv, D]
 AttentionFn = Callable[..., torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions, each [T, 1, D/2]
+
+
+class LayerPlacement(Protocol):
+    """Runs the decoder layers over x [T, hidden] when they do not all sit on one device."""
+
+    layer_devices: list[torch.device]
+
+    def run_layers(self, layers: nn.ModuleList, x: torch.Tensor, rope: Rope, kv_caches: list[KVCache],
+                   meta: AttentionMetadata, attention_fn: AttentionFn) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -79,6 +88,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # How the decoder layers run when not all on one device (worker/model/placement.py:
+        # sharded stages, or on-demand copies from host memory); None runs them where they are.
+        self.placement: LayerPlacement | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so. Call again
@@ -91,9 +103,29 @@ class Transformer(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta, attention_fn)
+        if self.placement is not None:
+            x = self.placement.run_layers(self.layers, x, rope, kv_caches, meta, attention_fn)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(x, rope, kv_cache, meta, attention_fn)
         return self.norm(x)
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where token ids and positions go in."""
+        return self.embed_tokens.weight.device
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where final hidden states and logits come out."""
+        return self.lm_head.weight.device
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        """Where each layer computes, so where its KV pools must be."""
+        if self.placement is not None:
+            return list(self.placement.layer_devices)
+        return [layer.input_layernorm.weight.device for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, hidden] (only the positions we sample from) -> logits [B, V], into

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 
 from worker.model.config import ModelConfig
+from worker.model.placement import WeightPlacement
+from worker.model.quantized_checkpoint import install_quantized_shells, load_quantized_state, quantization_config
 from worker.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -55,22 +57,48 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=None,
-               max_positions: int | None = None) -> Transformer:
+               max_positions: int | None = None, placement: WeightPlacement | None = None) -> Transformer:
+    """Load onto `device`, or where `placement` puts each part (worker/model/placement.py). The
+    layer loop of a sharded or on-demand plan is attached afterwards by `attach_placement`, so
+    that whatever rewrites layers in between (quantization) sees ordinary modules."""
     model_dir = Path(model_dir)
-    device = torch.device(device)
     config = ModelConfig.from_model_dir(model_dir)
-    dtype = resolve_dtype(dtype, device, config)
+    plan = placement or WeightPlacement.single(device, config.num_layers)
+    if len(plan.layer_devices) != config.num_layers:
+        raise ValueError(f"placement has {len(plan.layer_devices)} layers, the model {config.num_layers}")
+    # The compute device decides the dtype, also for layers parked in host memory (on_demand).
+    dtype = resolve_dtype(dtype, plan.compute_device, config)
     started = time.perf_counter()
     # Build on the meta device so no memory is spent on a random init we overwrite.
     with torch.device("meta"):
         model = Transformer(config, max_positions).to(dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.rotary.build_table(device)  # cos/sin stay float32 whatever the model dtype
-    _load_weights(model, checkpoint_files(model_dir), dtype)
+    qconfig = quantization_config(model_dir)  # a checkpoint tools/quantize_checkpoint.py wrote
+    if qconfig is not None:
+        install_quantized_shells(model, qconfig, dtype)
+    _materialize(model, plan)
+    model.rotary.build_table(plan.embed_device)  # cos/sin stay float32 whatever the model dtype
+    if qconfig is not None:
+        load_quantized_state(model, model_dir)
+    else:
+        _load_weights(model, checkpoint_files(model_dir), dtype)
+    if config.tie_word_embeddings and plan.head_device != plan.embed_device:
+        # A tied head on another device than the embedding gets its own copy (read-only weights).
+        model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().to(plan.head_device))
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s) in %.2f s", model_dir, dtype, time.perf_counter() - started)
+    model.load_seconds = time.perf_counter() - started
+    log.info("loaded %s (%s, load_mode %s) in %.2f s", model_dir, dtype, plan.load_mode, model.load_seconds)
     return model
+
+
+def _materialize(model: Transformer, plan: WeightPlacement) -> None:
+    """Allocate each part's (uninitialised) tensors on its planned device."""
+    model.rotary.to_empty(device=plan.embed_device)
+    model.embed_tokens.to_empty(device=plan.embed_device)
+    for layer, layer_device in zip(model.layers, plan.layer_devices):
+        layer.to_empty(device=layer_device)
+    model.norm.to_empty(device=plan.head_device)
+    model.lm_head.to_empty(device=plan.head_device)
+    model.tie_weights()  # `to_empty` re-creates parameters, which unties them
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None]:
