@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster lock protos clean
+.PHONY: run test bench bench-cluster bench-quantization experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,20 @@ bench: $(STAMP)
 # The cluster against the in-process engine, and priority queues against FIFO (~3.5 min).
 bench-cluster: $(STAMP)
 	$(PY) -m bench.cluster_vs_engine
+
+# Quantization and loading modes on models/default, then on bench-small (~5 + ~10 min).
+bench-quantization: $(STAMP)
+	$(PY) -m bench.quantization
+	$(PY) -m bench.quantization --model bench-small
+
+# The CUDA paths the CPU test suite cannot reach, on a GPU host (`--device cpu` dry-runs it here).
+gpu-check: $(STAMP)
+	$(PY) -m tools.gpu_check
+
+# The seed experiments of docs/experiments.md: JSON in bench/results/experiments/, figures in
+# docs/figures/ (~20 min; `python -m bench.experiments --quick` is the short version).
+experiments: $(STAMP)
+	$(PY) -m bench.experiments
 
 # Regenerate the lock from pyproject.toml. torch is pinned to the CPU build
 # that CI installs; the project's own requirement stays a range.

@@ -61,6 +61,35 @@ def bench_transposed_form(repeats: int) -> None:
         print(f"  [{n}x{k}] " + "  ".join(cells))
 
 
+def bench_quantized_linear(repeats: int) -> None:
+    """Each quantized compute path against the float32 kernel, at decode and prefill sizes."""
+    from worker.model.quantization import QuantizedLinear, quantize
+    print("quantized linear: median ms per path (float32 ours | int8 ours / torch / dequant | "
+          "int4 ours / torch / dequant); int4 groups of 128 (32 where K is not a multiple)")
+    for n, k in SHAPES:
+        weight = torch.randn(n, k)
+        layers = {bits: QuantizedLinear(quantize(weight, bits, 128 if k % 128 == 0 else 32)) for bits in (8, 4)}
+        cells = []
+        for rows in (1, 4, 16, 128):
+            x = torch.randn(rows, k)
+            out = torch.empty(rows, n)
+            row = [timed_ms(lambda: kernels_linear(x, weight, out), repeats)]
+            for layer in layers.values():
+                for path in ("ours", "kernel", "dequant"):
+                    layer.path = layer.small_path = path
+                    row.append(timed_ms(lambda: layer(x), max(3, repeats // 4)) if layer.path_available(
+                        path, x.device) else float("nan"))
+            cells.append(f"M={rows}: {row[0]:.2f} | " + " / ".join(f"{v:.2f}" for v in row[1:4]) + " | "
+                         + " / ".join(f"{v:.2f}" for v in row[4:]))
+        print(f"  [{n}x{k}] " + "   ".join(cells))
+
+
+def kernels_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The float32 path the model takes for this shape (our kernel or BLAS, as layers.linear picks)."""
+    from worker.model.layers import linear
+    return linear(x, weight, out=out)
+
+
 def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size: int = 16) -> None:
     rng = random.Random(0)
     num_blocks, num_kv_heads, head_dim, num_heads = 1200, 4, 64, 8
@@ -92,15 +121,19 @@ def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quantized", action="store_true", help="only the quantized linear paths")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()
     if kernels is None:
         raise SystemExit("the CPU kernels could not be built here (no compiler or ninja?)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.quantized:
+        return bench_quantized_linear(args.repeats)
     bench_linear(kernels, args.repeats)
     bench_transposed_form(args.repeats)
     bench_decode_attention(kernels, args.repeats)
+    bench_quantized_linear(args.repeats)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def _run_child(spec: dict) -> dict:
         return json.loads(out_path.read_text())
 
 
-def _match(reference: list[list[int]], outputs: list[list[int]]) -> tuple[int, float]:
+def match_rate(reference: list[list[int]], outputs: list[list[int]]) -> tuple[int, float]:
     identical = sum(r == o for r, o in zip(reference, outputs))
     positions = sum(a == b for r, o in zip(reference, outputs) for a, b in zip(r, o))
     return identical, positions / max(1, sum(len(r) for r in reference))
@@ -81,7 +81,7 @@ def report(results: dict[str, dict], model_name: str) -> str:
              "| x none | batched tok/s | x none | perplexity | greedy same (prompts, positions) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
-        identical, positions = _match(base["greedy"], r["greedy"])
+        identical, positions = match_rate(base["greedy"], r["greedy"])
         ppl = f"{r['perplexity']:.2f}" if "perplexity" in r else "-"
         load = f"{r['load_s']:.2f}" if r.get("load_s") is not None else "-"
         lines.append(
@@ -97,6 +97,28 @@ def report(results: dict[str, dict], model_name: str) -> str:
             lines.append(f"- {name}: calibration {c['summary']}; {c['num_sequences']} self-generated sequences, "
                          f"{c['num_tokens']} tokens, {c['seconds']:.1f} s when first computed; compute paths {r['paths']}")
     return "\n".join(lines)
+
+
+def measure_variants(model_dir: Path, threads: int = 2, quick: bool = False, only: list[str] | None = None,
+                     max_wait: float = 120) -> dict[str, dict]:
+    """Every variant (or `only` those, with "none" always) of model_dir, each in a fresh process."""
+    prompts = _prompts(model_dir)
+    common = dict(device="cpu", num_threads=threads, num_kv_blocks=512, max_num_seqs=16,
+                  enable_prefix_caching=False)
+    spec = dict(prompts=prompts, match_tokens=32, heldout=True, single=(64, 32 if quick else 128),
+                batched=(16, 16 if quick else 64))
+    results: dict[str, dict] = {}
+    for variant, overrides in VARIANTS:
+        if only and variant != "none" and variant not in only:
+            continue
+        folder = _prequantize(model_dir, model_dir.name) if variant == PREQUANTIZED else model_dir
+        busy = wait_for_idle(max_wait)
+        started = time.perf_counter()
+        results[variant] = _run_child(dict(spec, model_dir=str(folder), engine=dict(common, **overrides)))
+        results[variant]["foreign_busy"] = busy
+        print(f"[{time.strftime('%H:%M:%S')}] {variant}: {time.perf_counter() - started:.0f} s"
+              + (f" (busy: {busy})" if busy else ""), file=sys.stderr, flush=True)
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,22 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model_dir = Path(args.model)
         name = model_dir.name
-    prompts = _prompts(model_dir)
-    common = dict(device="cpu", num_threads=args.threads, num_kv_blocks=512, max_num_seqs=16,
-                  enable_prefix_caching=False)
-    spec = dict(prompts=prompts, match_tokens=32, heldout=True, single=(64, 32 if args.quick else 128),
-                batched=(16, 16 if args.quick else 64))
-    results: dict[str, dict] = {}
-    for variant, overrides in VARIANTS:
-        if args.only and variant != "none" and variant not in args.only:
-            continue
-        folder = _prequantize(model_dir, model_dir.name) if variant == PREQUANTIZED else model_dir
-        busy = wait_for_idle(args.max_wait)
-        started = time.perf_counter()
-        results[variant] = _run_child(dict(spec, model_dir=str(folder), engine=dict(common, **overrides)))
-        results[variant]["foreign_busy"] = busy
-        print(f"[{time.strftime('%H:%M:%S')}] {variant}: {time.perf_counter() - started:.0f} s"
-              + (f" (busy: {busy})" if busy else ""), file=sys.stderr, flush=True)
+    results = measure_variants(model_dir, args.threads, args.quick, args.only, args.max_wait)
     print(report(results, name))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

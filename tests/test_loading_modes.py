@@ -83,7 +83,7 @@ def _force_dequant(engine: Engine) -> None:
         modules += [m for slot in engine.model.placement.slots for m in slot.module.modules()]
     for m in modules:
         if isinstance(m, QuantizedLinear):
-            m.path = "dequant"
+            m.path = m.small_path = "dequant"
 
 
 # ---- sharded -----------------------------------------------------------------------------------

@@ -54,31 +54,49 @@ def test_bad_shapes_and_bits_are_refused(weight):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("path", ["kernel", "dequant"])
+@pytest.mark.parametrize("path", ["ours", "kernel", "dequant"])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_quantized_linear_matches_its_dequantized_matmul(weight, bits, path, rows):
     qw = quantize(weight, bits, group_size=64)
     bias = torch.randn(96)
     layer = QuantizedLinear(qw, bias, path=path)
-    if path == "kernel" and not layer.kernel_available(torch.device("cpu")):
-        pytest.skip("this torch build has no packed kernel on the CPU")
+    if not layer.path_available(path, torch.device("cpu")):
+        pytest.skip(f"no {path} path on this CPU (torch build or compiler)")
     x = torch.randn(rows, 256)
     reference = x @ dequantize(qw).t() + bias
     torch.testing.assert_close(layer(x), reference, rtol=1e-4, atol=1e-4)
 
 
-def test_dequant_path_reuses_one_buffer(weight):
+@pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 32), (4, 128)])
+def test_our_kernels_on_ragged_tiles(bits, group_size):
+    """Our kernels tile 3 input rows x 4 weight rows: every count of leftover rows and weight rows
+    (98 = 24 x 4 + 2) must still match the dequantized reference."""
+    torch.manual_seed(1)
+    weight = torch.randn(98, 256)
+    layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
+    if not layer.path_available("ours", torch.device("cpu")):
+        pytest.skip("our CPU kernels are not built here")
+    for rows in (1, 2, 3, 4, 5, 32):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t() + layer.bias, rtol=1e-4, atol=1e-4)
+
+
+def test_dequant_path_reuses_one_buffer_for_every_layer(weight):
     layer = QuantizedLinear(quantize(weight, 8))
     first = layer.dequantized()
     layer(torch.randn(2, 256))
     assert layer.dequantized().data_ptr() == first.data_ptr()
+    # A second, smaller layer rebuilds its weight into the same memory: no float copy per layer.
+    other = QuantizedLinear(quantize(weight[:40, :128], 4, group_size=64))
+    assert other.dequantized().data_ptr() == first.data_ptr()
+    torch.testing.assert_close(other.dequantized(), dequantize(other.qw))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_choose_path_keeps_a_correct_path(weight, bits):
     layer = QuantizedLinear(quantize(weight, bits, group_size=64))
     path = choose_path(layer, rows=1, repeats=2)
-    assert path in ("kernel", "dequant") and layer.path == path
+    assert path in ("ours", "kernel", "dequant") and layer.small_path == path
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t(), rtol=1e-4, atol=1e-4)
 

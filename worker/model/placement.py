@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from worker.model.attention import AttentionMetadata
-from worker.model.quantization import QuantizedLinear, choose_path
+from worker.model.quantization import QuantizedLinear, choose_paths
 
 log = logging.getLogger(__name__)
 
@@ -331,15 +331,16 @@ def _pin_host_tensors(layers: nn.ModuleList) -> None:
 
 
 def _prepare_slot_module(module: nn.Module, device: torch.device) -> nn.Module:
-    """Quantized modules in a slot may only compute from the buffers the copies overwrite. INT4's
-    kernel path packs its operands once from the weights it was built with, so a slot would keep
-    layer 0's: it computes through the dequant path instead. A path measured on the host is
-    measured again on the device (torch's packed kernels differ per device)."""
+    """Quantized modules in a slot may only compute from the buffers the copies overwrite. torch's
+    INT4 kernel path packs its operands once from the weights it was built with, so a slot would
+    keep layer 0's: such a slot computes through the dequant path instead (our kernels read the
+    buffers directly). Paths measured on the host are measured again on the device (torch's
+    packed kernels differ per device)."""
     for m in module.modules():
         if not isinstance(m, QuantizedLinear):
             continue
+        if device.type != HOST.type:
+            choose_paths(m)
         if m.bits == 4:
-            m.path = "dequant"
-        elif device.type != HOST.type:
-            choose_path(m)
+            m.path, m.small_path = ("dequant" if p == "kernel" else p for p in (m.path, m.small_path))
     return module

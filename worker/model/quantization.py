@@ -5,8 +5,10 @@ Pure tensor code. The stored formats are our own and device independent:
 - INT4: `qweight` uint8 [N, K/2] (element 2j in the low nibble, 2j+1 in the high one), with
   per-group `scales` and `zeros` [N, K/G]: w ~ q * scale + zero, q in 0..15 (asymmetric),
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
-`QuantizedLinear` computes with torch's packed kernels where they exist, or dequantizes into
-a reused buffer and runs the float matmul, whichever `choose_path` measured faster.
+`QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
+float in registers, CPU only), "kernel" (torch's packed matmuls) or "dequant" (rebuild the float
+weight into a reused buffer, then the float matmul). `choose_paths` times them on the layer's
+own shape and device, once for decode-sized steps and once for prefill-sized ones.
 """
 from __future__ import annotations
 
@@ -17,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model import cpu_kernels
+
 INT4_GROUP_SIZE = 128
+SMALL_ROWS = 32  # at or below, a step is decode-sized: reading the weight dominates
+PATHS = ("ours", "kernel", "dequant")
 _EPS = 1e-8
 
 
@@ -115,6 +121,19 @@ def _torch_int4_operands(qw: QuantizedWeight, device: torch.device):
     return None
 
 
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One flat buffer per (device, dtype), grown to the largest weight asked for, viewed as `shape`.
+    Layers run one after another in a worker, so one dequantized weight is alive at a time."""
+    numel = shape[0] * shape[1]
+    flat = _SCRATCH.get((device, dtype))
+    if flat is None or flat.numel() < numel:
+        flat = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return flat[:numel].view(shape)
+
+
 class QuantizedLinear(nn.Module):
     """y = (x * input_scale) W^T (+ b) with W stored quantized. `path` is "kernel" (torch's
     packed matmul) or "dequant" (W rebuilt into a reused float buffer, then the float matmul).
@@ -135,9 +154,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("zeros", None if qw.zeros is None else qw.zeros.to(dtype))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
-        self._dequant_buffer: torch.Tensor | None = None
         self._int4_operands: tuple[torch.device, tuple] | None = None  # (built for, operands)
-        self.path = path
+        self.path = path  # for steps of more than SMALL_ROWS rows
+        self.small_path = path  # for up to SMALL_ROWS rows
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
@@ -168,11 +187,10 @@ class QuantizedLinear(nn.Module):
         return self.shape[1]
 
     def dequantized(self) -> torch.Tensor:
-        """The float weight as stored (W / input_scale), rebuilt into one buffer that is
-        reused call after call."""
-        buffer = self._dequant_buffer
-        if buffer is None or buffer.device != self.qweight.device or buffer.dtype != self.scales.dtype:
-            buffer = self._dequant_buffer = torch.empty(self.shape, dtype=self.scales.dtype, device=self.qweight.device)
+        """The float weight as stored (W / input_scale), rebuilt into a scratch buffer that every
+        layer on this device shares (a buffer per layer would hold a float copy of every weight,
+        undoing what quantization saved). Valid until the next layer's call."""
+        buffer = _scratch(self.shape, self.scales.dtype, self.qweight.device)
         if self.bits == 8:
             torch.mul(self.qweight.to(buffer.dtype), self.scales[:, None], out=buffer)
         else:
@@ -182,10 +200,30 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
         if self.input_scale is not None:
             x = x * self.input_scale
-        if self.path == "kernel":
-            y = self._kernel(x)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantized(), self.bias)
+        path = self.small_path if x.shape[0] <= SMALL_ROWS else self.path
+        if path == "dequant":
+            return F.linear(x, self.dequantized(), self.bias)
+        y = self._ours(x) if path == "ours" else self._kernel(x)
+        return y if self.bias is None else y + self.bias
+
+    def _ours(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.for_tensors(x, self.scales)
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        if self.bits == 8:
+            kernels.linear_small_batch_int8(x, self.qweight, self.scales, out)
+        else:
+            kernels.linear_small_batch_int4(x, self.qweight, self.scales, self.zeros, self.group_size, out)
+        return out
+
+    def path_available(self, path: str, device: torch.device) -> bool:
+        if path == "dequant":
+            return True
+        if path == "kernel":
+            return self.kernel_available(device)
+        # Our kernels: float32 on the CPU, 8 input features per vector, int4 groups whole vectors.
+        return (device.type == "cpu" and self.scales.dtype == torch.float32 and self.in_features % 8 == 0
+                and (self.bits == 8 or self.group_size % 8 == 0) and cpu_kernels.load() is not None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
@@ -206,26 +244,38 @@ class QuantizedLinear(nn.Module):
 
 
 def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
-    """Time both paths on this layer's shape and device; keep the faster correct one."""
+    """Time every available path on `rows` rows of this layer's shape and device and keep the
+    fastest correct one for steps of that size (`small_path` up to SMALL_ROWS rows, else `path`)."""
     x = torch.randn(rows, layer.in_features, dtype=layer.scales.dtype, device=layer.qweight.device)
-    timings = {}
     scaled = x if layer.input_scale is None else x * layer.input_scale
     reference = F.linear(scaled, layer.dequantized())
-    for path in ("kernel", "dequant"):
-        if path == "kernel" and not layer.kernel_available(x.device):
+    attribute = "small_path" if rows <= SMALL_ROWS else "path"
+    timings = {}
+    for path in PATHS:
+        if not layer.path_available(path, x.device):
             continue
-        layer.path = path
+        setattr(layer, attribute, path)
         try:
             y = layer(x)
         except RuntimeError:  # this torch build has no such kernel for this device or dtype
             continue
         if not torch.allclose(y - (0 if layer.bias is None else layer.bias), reference, rtol=1e-2, atol=1e-2):
             continue
-        started = time.perf_counter()
-        for _ in range(repeats):
+        best = min(timings.values(), default=float("inf"))
+        elapsed, count = 0.0, 0
+        # Repeats only while a path is in the running: one call twice the best so far settles it
+        # (torch's packed kernels can be 50x slower at prefill sizes, and every layer is timed).
+        while count < repeats and (count == 0 or elapsed / count < 2 * best):
+            started = time.perf_counter()
             layer(x)
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        timings[path] = (time.perf_counter() - started) / repeats
-    layer.path = min(timings, key=timings.get) if timings else "dequant"
-    return layer.path
+            if x.device.type == "cuda":
+                torch.cuda.synchronize(x.device)
+            elapsed, count = elapsed + time.perf_counter() - started, count + 1
+        timings[path] = elapsed / count
+    setattr(layer, attribute, min(timings, key=timings.get) if timings else "dequant")
+    return getattr(layer, attribute)
+
+
+def choose_paths(layer: QuantizedLinear, repeats: int = 3) -> tuple[str, str]:
+    """(small_path, path): one decode-sized and one prefill-sized measurement."""
+    return choose_path(layer, rows=4, repeats=repeats), choose_path(layer, rows=128, repeats=repeats)

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from worker.model.quantization import INT4_GROUP_SIZE, QuantizedLinear, choose_path, quantize
+from worker.model.quantization import INT4_GROUP_SIZE, QuantizedLinear, choose_paths, quantize
 
 LAYER_TYPES = {"qkv_proj": "attention", "o_proj": "attention", "gate_up_proj": "mlp", "down_proj": "mlp"}
 PRESETS = {
@@ -125,13 +125,14 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
         quantized = QuantizedLinear(qw, linear.bias.data if linear.bias is not None else None,
                                     dtype=linear.weight.dtype, input_scale=input_scale)
         if measure_paths:
-            choose_path(quantized, rows=1, repeats=3)
+            choose_paths(quantized)
         setattr(parent, name, quantized)
         key = f"{LAYER_TYPES[name]}:int{bits}"
         report.num_quantized[key] = report.num_quantized.get(key, 0) + 1
         report.float_bytes += linear.weight.numel() * linear.weight.element_size()
         report.quantized_bytes += qw.nbytes
-        report.paths[quantized.path] = report.paths.get(quantized.path, 0) + 1
+        paths = f"{quantized.small_path}/{quantized.path}"  # decode-sized / prefill-sized steps
+        report.paths[paths] = report.paths.get(paths, 0) + 1
         report.layers[full_name] = dict(bits=bits, group_size=qw.group_size, shape=list(qw.shape),
                                         has_bias=linear.bias is not None, has_input_scale=input_scale is not None)
     return report

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from worker.model.config import OUR_QUANT_METHOD
-from worker.model.quantization import QuantizedLinear, choose_path
+from worker.model.quantization import QuantizedLinear, choose_paths
 from worker.model.quantize_model import QuantizationReport
 from worker.model.transformer import Transformer
 
@@ -109,4 +109,4 @@ def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: boo
     if measure_paths:
         for module in model.modules():
             if isinstance(module, QuantizedLinear):
-                choose_path(module, rows=1, repeats=3)
+                choose_paths(module)

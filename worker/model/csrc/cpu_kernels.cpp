@@ -3,6 +3,7 @@
 //   the block table (no gathered copy);
 // - small-batch linear: y = x W^T for a few rows of x, streaming each weight row once and
 //   splitting the output features over all threads (a decode step is bound by reading W);
+// - the same with int8 or packed int4 weights widened in registers (weight-only quantization);
 // - RMSNorm and SiLU-and-multiply in one pass each, where torch takes several small ops
 //   whose fixed cost dominates at decode sizes.
 #include <torch/extension.h>
@@ -10,8 +11,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_FMA 1
+#endif
 
 namespace {
 
@@ -144,6 +151,193 @@ void linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::Tensor out
   });
 }
 
+// Weight-only quantized small-batch linear: the same register tiles as above, with the weight
+// read as int8 (one byte) or packed int4 (half a byte) and widened to float in registers, so a
+// decode step reads 4x or 8x fewer weight bytes than float32. Per output row n:
+//   int8: y = scale[n] * (x . q[n])
+//   int4: y = sum over groups g of scale[n, g] * (x_g . q[n]_g) + zero[n, g] * sum(x_g)
+// `load_weights(n, k, w)` widens 8 weights of row n from column k into w.
+// One kTileM x kTileN tile of the output. kFull: a whole tile, so every loop bound is a
+// compile-time constant and the accumulators stay in registers; else the ragged edge.
+#ifdef HAVE_AVX2_FMA
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
+// A tile of kRows (<= kTileM) x rows by kTileN weight rows with the accumulators in AVX2
+// registers: at most 12 accumulators, the widened weight and one input vector (14 of 16 ymm).
+template <int64_t kRows, typename LoadVector, typename Finish>
+inline void quantized_tile_avx2(const float* x_ptr, int64_t in_features, int64_t group_size, int64_t m0, int64_t n0,
+                                float total[kTileM][kTileN], LoadVector& load_vector, Finish& finish) {
+  for (int64_t g = 0; g < in_features / group_size; ++g) {
+    __m256 acc[kRows][kTileN];
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int64_t j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes)
+      for (int64_t j = 0; j < kTileN; ++j) {
+        const __m256 w = load_vector(n0 + j, k);
+        for (int64_t i = 0; i < kRows; ++i)
+          acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x_ptr + (m0 + i) * in_features + k), w, acc[i][j]);
+      }
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int64_t j = 0; j < kTileN; ++j) total[i][j] += finish(m0 + i, n0 + j, g, horizontal_sum(acc[i][j]));
+  }
+}
+
+inline __m256 widen_int8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+// 4 bytes -> 8 floats: low nibble then high nibble of each byte.
+inline __m256 widen_int4(const uint8_t* bytes) {
+  int32_t word;
+  std::memcpy(&word, bytes, sizeof(word));
+  const __m128i doubled = _mm_shuffle_epi8(_mm_cvtsi32_si128(word),
+                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i shifted = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(doubled), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(0x0F)));
+}
+#endif
+
+template <bool kFull, typename LoadWeights, typename Finish>
+inline void quantized_tile(const float* x_ptr, int64_t in_features, int64_t group_size, int64_t m0, int64_t m_count,
+                           int64_t n0, int64_t n_count, float total[kTileM][kTileN], LoadWeights& load_weights,
+                           Finish& finish) {
+  const int64_t tm = kFull ? kTileM : m_count, tn = kFull ? kTileN : n_count;
+  for (int64_t g = 0; g < in_features / group_size; ++g) {
+    float acc[kTileM][kTileN][kLanes] = {};
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes) {
+      // One widened weight row at a time, used by every x row while it sits in a register:
+      // 12 accumulators + 1 weight + 1 input register fit AVX2's 16 without spilling.
+      for (int64_t j = 0; j < tn; ++j) {
+        float w[kLanes];
+        load_weights(n0 + j, k, w);
+        for (int64_t i = 0; i < tm; ++i) {
+          const float* xr = x_ptr + (m0 + i) * in_features + k;
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) acc[i][j][l] += xr[l] * w[l];
+        }
+      }
+    }
+    for (int64_t i = 0; i < tm; ++i)
+      for (int64_t j = 0; j < tn; ++j) {
+        float sum = 0.f;
+        for (int64_t l = 0; l < kLanes; ++l) sum += acc[i][j][l];
+        total[i][j] += finish(m0 + i, n0 + j, g, sum);
+      }
+  }
+}
+
+template <typename LoadWeights, typename LoadVector, typename Finish>
+void quantized_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
+                     int64_t group_size, float* out_ptr, LoadWeights load_weights, LoadVector load_vector,
+                     Finish finish) {
+  at::parallel_for(0, (out_features + kTileN - 1) / kTileN, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kTileN, n_count = std::min(kTileN, out_features - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kTileM) {
+        const int64_t m_count = std::min(kTileM, rows - m0);
+        float total[kTileM][kTileN] = {};
+#ifdef HAVE_AVX2_FMA
+        if (n_count == kTileN) {
+          static_assert(kTileM == 3, "one case per row count below");
+          if (m_count == 3)
+            quantized_tile_avx2<3>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
+          else if (m_count == 2)
+            quantized_tile_avx2<2>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
+          else
+            quantized_tile_avx2<1>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
+        } else
+#else
+        if (m_count == kTileM && n_count == kTileN)
+          quantized_tile<true>(x_ptr, in_features, group_size, m0, m_count, n0, n_count, total, load_weights, finish);
+        else
+#endif
+          quantized_tile<false>(x_ptr, in_features, group_size, m0, m_count, n0, n_count, total, load_weights,
+                                finish);
+        for (int64_t i = 0; i < m_count; ++i)
+          for (int64_t j = 0; j < n_count; ++j) out_ptr[(m0 + i) * out_features + n0 + j] = total[i][j];
+      }
+    }
+  });
+}
+
+void check_quantized_args(const torch::Tensor& x, const torch::Tensor& scales, const torch::Tensor& out,
+                          int64_t out_features) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) % kLanes == 0, "in_features must be a multiple of 8");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous(), "scales: contiguous float32");
+  TORCH_CHECK(out.is_contiguous() && out.dtype() == torch::kFloat32 && out.size(0) == x.size(0) &&
+              out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
+}
+
+// x [M, K] float32, qweight [N, K] int8, scales [N] float32 -> out [M, N].
+void linear_small_batch_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor out) {
+  TORCH_CHECK(qweight.dtype() == torch::kInt8 && qweight.is_contiguous() && qweight.size(1) == x.size(1),
+              "qweight: contiguous int8 [N, K]");
+  const int64_t in_features = x.size(1), out_features = qweight.size(0);
+  check_quantized_args(x, scales, out, out_features);
+  const int8_t* q = qweight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  quantized_tiles(
+      x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
+      [&](int64_t n, int64_t k, float* w) {
+        const int8_t* row = q + n * in_features + k;
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) w[l] = static_cast<float>(row[l]);
+      },
+#ifdef HAVE_AVX2_FMA
+      [&](int64_t n, int64_t k) { return widen_int8(q + n * in_features + k); },
+#else
+      nullptr,
+#endif
+      [&](int64_t, int64_t n, int64_t, float dot_q) { return s[n] * dot_q; });
+}
+
+// x [M, K] float32, qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the
+// high one), scales and zeros [N, K/G] float32 -> out [M, N].
+void linear_small_batch_int4(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor zeros,
+                             int64_t group_size, torch::Tensor out) {
+  const int64_t in_features = x.size(1), out_features = qweight.size(0);
+  TORCH_CHECK(qweight.dtype() == torch::kUInt8 && qweight.is_contiguous() && qweight.size(1) * 2 == in_features,
+              "qweight: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(group_size % kLanes == 0 && in_features % group_size == 0, "group size must tile K in 8s");
+  TORCH_CHECK(zeros.dtype() == torch::kFloat32 && zeros.is_contiguous(), "zeros: contiguous float32");
+  check_quantized_args(x, scales, out, out_features);
+  const int64_t rows = x.size(0), num_groups = in_features / group_size;
+  const float* x_ptr = x.data_ptr<float>();
+  // sum(x_g) per row and group, for the zero-point term.
+  std::vector<float> x_sums(rows * num_groups);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
+      x_sums[m * num_groups + g] = sum;
+    }
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* z = zeros.data_ptr<float>();
+  quantized_tiles(
+      x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+      [&](int64_t n, int64_t k, float* w) {
+        const uint8_t* bytes = q + n * (in_features / 2) + k / 2;
+        for (int64_t b = 0; b < kLanes / 2; ++b) {
+          w[2 * b] = static_cast<float>(bytes[b] & 0x0F);
+          w[2 * b + 1] = static_cast<float>(bytes[b] >> 4);
+        }
+      },
+#ifdef HAVE_AVX2_FMA
+      [&](int64_t n, int64_t k) { return widen_int4(q + n * (in_features / 2) + k / 2); },
+#else
+      nullptr,
+#endif
+      [&](int64_t m, int64_t n, int64_t g, float dot_q) {
+        return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
+      });
+}
+
 // out = weight * x / sqrt(mean(x^2) + eps), row by row; x, out [M, D] contiguous.
 void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 only");
@@ -185,4 +379,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
   m.def("linear_small_batch", &linear_small_batch, "out = x @ weight.T for few rows (CPU, float32)");
+  m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");
+  m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
 }

@@ -1,0 +1,128 @@
+"""The CUDA paths the CPU-only test suite cannot reach, checked in one short run on a GPU host.
+
+    python -m tools.gpu_check              # on a machine with CUDA (a minute or two)
+    python -m tools.gpu_check --device cpu # the same checks on the CPU: a dry run of this script
+
+Each check prints PASS or FAIL with what it measured; the exit status is the number of
+failures. Covers: the engine on CUDA in the checkpoint's half type against float32 on the
+CPU, the runner's own CUDA stream, KV sizing from free device memory, the memory reader's
+CUDA figures, the sharded and on-demand loading modes (pinned memory, side stream, events)
+against full loading, and INT8/INT4 on the device (the compute path `choose_path` picked).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
+TEXTS = ["The json module", "Return the number of items", "A list is", "Open a file and"]
+
+
+def _prompts() -> list[list[int]]:
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    return [tokenizer.encode(t).ids for t in TEXTS]
+
+
+def _greedy(engine, prompts, n=24) -> list[list[int]]:
+    from worker.engine import SamplingParams
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [list(o.token_ids) for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q))
+    return same / max(1, sum(len(p) for p in a))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    from worker.engine import Engine
+    from worker.memory import MemoryReader
+    from worker.model.quantization import QuantizedLinear
+    from worker.scoring import window_logprobs
+
+    device = args.device
+    prompts = _prompts()
+    failures = 0
+
+    def check(name: str, fn) -> None:
+        nonlocal failures
+        started = time.perf_counter()
+        try:
+            ok, detail = fn()
+        except Exception:  # a check that crashes is a failed check; the others still run
+            ok, detail = False, traceback.format_exc(limit=3)
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({time.perf_counter() - started:.1f} s): {detail}", flush=True)
+
+    reference_engine = Engine.from_model_dir(MODEL_DIR, device="cpu", num_kv_blocks=256)
+    reference = _greedy(reference_engine, prompts)
+    reference_logprobs = window_logprobs(reference_engine.model, prompts[0] * 8)
+    state: dict = {}
+
+    def half_precision():
+        engine = state["full"] = Engine.from_model_dir(MODEL_DIR, device=device)  # KV sized from free memory
+        dtype = next(engine.model.parameters()).dtype
+        drift = (window_logprobs(engine.model, prompts[0] * 8).cpu() - reference_logprobs).abs().max().item()
+        agreement = _agreement(reference, _greedy(engine, prompts))
+        return (drift < 0.1 and agreement >= 0.75,
+                f"{dtype}, {engine.block_manager.num_blocks} KV blocks, max |dlogprob| vs float32 CPU {drift:.4f}, "
+                f"greedy agreement {agreement:.0%}")
+
+    def runner_stream():
+        engine = state["full"]
+        stream = engine.runner.stream
+        wanted = isinstance(stream, torch.cuda.Stream) if device.startswith("cuda") else stream is None
+        return wanted, f"runner stream {stream}"
+
+    def memory_reader():
+        engine = state["full"]
+        reading = MemoryReader(engine.device)(detailed=True)
+        on_cuda = device.startswith("cuda")
+        ok = reading.used_bytes > 0 and reading.total_bytes > 0 and (not on_cuda or reading.allocated_bytes > 0)
+        return ok, str(reading)
+
+    def loading_mode(mode: str, against: str = "full", **extra):
+        def run():
+            engine = Engine.from_model_dir(MODEL_DIR, device=device if mode != "sharded" else "auto",
+                                           num_kv_blocks=256, load_mode=mode, **extra)
+            # Quantized layers may compute by another path on demand, so agreement, not identity, there.
+            agreement = _agreement(_greedy(state[against], prompts), _greedy(engine, prompts))
+            return agreement >= (1.0 if against == "full" else 0.9), (
+                f"greedy agreement with {against} loading {agreement:.0%}; load {engine.load_seconds:.2f} s")
+        return run
+
+    def quantized(preset: str):
+        def run():
+            engine = state[preset] = Engine.from_model_dir(MODEL_DIR, device=device, num_kv_blocks=256,
+                                                           quantization=preset)
+            paths = sorted({m.path for m in engine.model.modules() if isinstance(m, QuantizedLinear)})
+            agreement = _agreement(_greedy(state["full"], prompts), _greedy(engine, prompts))
+            return agreement >= 0.5, f"paths {paths}, greedy agreement with float {agreement:.0%}"
+        return run
+
+    check("engine in half precision vs float32 on the CPU", half_precision)
+    if "full" in state:
+        check("runner owns a CUDA stream", runner_stream)
+        check("memory reader", memory_reader)
+        check("sharded over two stages", loading_mode("sharded", devices=(f"{device}:0",) * 2
+                                                      if device == "cuda" else (device, device)))
+        check("on demand (pinned host weights, side-stream prefetch)", loading_mode("on_demand"))
+        check("int8", quantized("int8"))
+        check("int4", quantized("int4"))
+        if "int8" in state:
+            check("int8 on demand", loading_mode("on_demand", against="int8", quantization="int8"))
+    print(f"{failures} failed", flush=True)
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
