@@ -120,7 +120,8 @@ def test_self_calibration_beats_plain_rounding_and_is_saved_and_reused(outlier_c
     assert (1 / layer.input_scale)[SALIENT].min() > (1 / layer.input_scale).median()
     error_plain, error_calibrated = _logprob_error(plain, reference, texts), _logprob_error(calibrated, reference,
                                                                                            texts)
-    assert error_calibrated < 0.7 * error_plain, (error_plain, error_calibrated)
+    print(f"\nlog-prob error vs float: plain {error_plain:.4f}, calibrated {error_calibrated:.4f}")
+    assert error_calibrated < 0.7 * error_plain, (error_plain, error_calibrated)  # measured 0.31 -> 0.08
 
     saved = list((outlier_checkpoint / "calibration").glob("awq-*.safetensors"))
     assert len(saved) == 1

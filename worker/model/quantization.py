@@ -276,6 +276,15 @@ def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
     return getattr(layer, attribute)
 
 
+_CHOSEN: dict[tuple, tuple[str, str]] = {}
+
+
 def choose_paths(layer: QuantizedLinear, repeats: int = 3) -> tuple[str, str]:
-    """(small_path, path): one decode-sized and one prefill-sized measurement."""
-    return choose_path(layer, rows=4, repeats=repeats), choose_path(layer, rows=128, repeats=repeats)
+    """(small_path, path): one decode-sized and one prefill-sized measurement, made once per
+    layer kind in a process: every decoder layer repeats the same shapes, and timing each of a
+    large model's hundreds of projections would cost minutes at start."""
+    key = (layer.bits, layer.shape, layer.group_size, layer.qweight.device, layer.scales.dtype)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = (choose_path(layer, rows=4, repeats=repeats), choose_path(layer, rows=128, repeats=repeats))
+    layer.small_path, layer.path = _CHOSEN[key]
+    return _CHOSEN[key]
