@@ -30,6 +30,7 @@ from shared.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+_DEADLINE = object()  # queued by a stream's deadline timer: end the RPC with DEADLINE_EXCEEDED
 _FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
            "abort": inference_pb2.FINISH_REASON_ABORT, "error": inference_pb2.FINISH_REASON_ERROR}
 
@@ -106,48 +107,51 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _relay(self, state: RequestState, context: grpc.aio.ServicerContext):
         await context.send_initial_metadata((("request-id", state.request_id),))
-        while True:
-            events = [await self._next_event(state, context)]
-            # Everything already queued for this stream leaves as one message: gRPC's cost is per
-            # message, so a stream that fell behind catches up instead of paying it per token.
-            while not state.events.empty() and events[-1].finish_reason is None:
-                events.append(state.events.get_nowait())
-            last = events[-1]
-            text = "".join(e.text for e in events if e.status is None)
-            token_ids = [t for e in events if e.status is None for t in e.token_ids]
-            response = inference_pb2.GenerateResponse(request_id=state.request_id, text=text, token_ids=token_ids,
-                                                      worker_id=state.worker_id or "")
-            if last.status is not None:
-                if text or token_ids:
-                    yield response
-                context.set_code(last.status)
-                await context.abort(last.status, last.error)
-            if last.finish_reason is not None:
-                response.finish_reason = _FINISH[last.finish_reason]
-                response.error = last.error
-                response.usage.prompt_tokens = len(state.prompt_ids)
-                response.usage.completion_tokens = len(state.output_ids)
-                response.usage.cached_prompt_tokens = state.num_cached_tokens
-                response.timing.queue_ms = state.queue_ms
-                response.timing.time_to_first_token_ms = state.ttft_ms
-                response.timing.total_ms = ((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3
-                yield response
-                return
-            if text or token_ids:
-                yield response
-
-    async def _next_event(self, state: RequestState, context: grpc.aio.ServicerContext):
-        if not state.events.empty():
-            return state.events.get_nowait()  # no timer needed: the common case while streaming
-        if state.deadline_s is None:
-            return await state.events.get()
+        # One timer per stream, not one per token: at the deadline a marker event wakes the relay.
+        timer = (asyncio.get_running_loop().call_at(state.deadline_s, state.events.put_nowait, _DEADLINE)
+                 if state.deadline_s is not None else None)
         try:
-            return await asyncio.wait_for(state.events.get(), max(0.0, state.deadline_s - time.monotonic()))
-        except asyncio.TimeoutError:
-            self.dispatcher.cancel(state.request_id, reason="error")
-            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {state.request_id} passed its deadline while running")
+            while True:
+                events = [await state.events.get()]
+                # Everything already queued for this stream leaves as one message: gRPC's cost is per
+                # message, so a stream that fell behind catches up instead of paying it per token.
+                while not state.events.empty() and events[-1] is not _DEADLINE and events[-1].finish_reason is None:
+                    events.append(state.events.get_nowait())
+                deadline_passed = events[-1] is _DEADLINE
+                if deadline_passed:
+                    events.pop()
+                if events:
+                    last = events[-1]
+                    text = "".join(e.text for e in events if e.status is None)
+                    token_ids = [t for e in events if e.status is None for t in e.token_ids]
+                    response = inference_pb2.GenerateResponse(request_id=state.request_id, text=text,
+                                                              token_ids=token_ids, worker_id=state.worker_id or "")
+                    if last.status is not None:
+                        if text or token_ids:
+                            yield response
+                        context.set_code(last.status)
+                        await context.abort(last.status, last.error)
+                    if last.finish_reason is not None:
+                        response.finish_reason = _FINISH[last.finish_reason]
+                        response.error = last.error
+                        response.usage.prompt_tokens = len(state.prompt_ids)
+                        response.usage.completion_tokens = len(state.output_ids)
+                        response.usage.cached_prompt_tokens = state.num_cached_tokens
+                        response.timing.queue_ms = state.queue_ms
+                        response.timing.time_to_first_token_ms = state.ttft_ms
+                        response.timing.total_ms = ((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3
+                        yield response
+                        return
+                    if text or token_ids:
+                        yield response
+                if deadline_passed:
+                    self.dispatcher.cancel(state.request_id, reason="error")
+                    context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"request {state.request_id} passed its deadline while running")
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def Abort(self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         if not self.dispatcher.cancel(request.request_id):
