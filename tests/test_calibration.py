@@ -188,3 +188,32 @@ def test_foreign_quantized_checkpoints_are_refused(outlier_checkpoint, tmp_path)
     (foreign / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantized with 'gptq' are not supported"):
         Engine.from_model_dir(foreign, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # an untied head, and one tied to the embedding
+def test_head_quantization_is_opt_in_and_round_trips(checkpoints, tmp_path, arch):
+    from tools.quantize_checkpoint import main
+    source = checkpoints[arch]
+    float_engine = Engine.from_model_dir(source, num_kv_blocks=64)
+    assert not isinstance(Engine.from_model_dir(source, num_kv_blocks=64, quantization="int8",
+                                                quantization_calibration="none").model.lm_head, QuantizedLinear)
+    rule = dict(quantization="mixed", quantization_rule="*:int8,head:int8", quantization_calibration="none")
+    engine = Engine.from_model_dir(source, num_kv_blocks=64, **rule)
+    head = engine.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.bits == 8
+    assert engine.quantization_report.num_quantized["head:int8"] == 1
+    # The embedding keeps its float weights, tied or not.
+    assert torch.equal(engine.model.embed_tokens.weight, float_engine.model.embed_tokens.weight)
+    tokens = list(range(3, 120, 3))
+    drift = (window_logprobs(engine.model, tokens) - window_logprobs(float_engine.model, tokens)).abs().mean()
+    assert drift < 0.01, drift
+
+    out = tmp_path / f"{arch}-int8-head"
+    main([str(source), str(out), "--quantization", "mixed", "--rule", "*:int8,head:int8", "--calibration", "none"])
+    loaded = Engine.from_model_dir(out, num_kv_blocks=64)
+    assert isinstance(loaded.model.lm_head, QuantizedLinear)
+    assert torch.equal(loaded.model.lm_head.qweight, head.qweight)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 30)), [9] * 6]
+    assert ([o.token_ids for o in loaded.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)])

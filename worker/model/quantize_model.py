@@ -3,8 +3,9 @@
 A rule is an ordered list of clauses `selector:bits`, the first match wins: the selector
 is a layer type ("attention": the qkv and o projections, "mlp": gate/up and down), one
 projection's name, a size test on the matrix ("params>=1e6", "params<1e6") or "*"; bits are
-int8, int4 or none. Embeddings and the output head are never targets and stay in the model's
-dtype. Optional per-layer input scales (activation-aware, from calibration) are folded in.
+int8, int4 or none. Embeddings stay in the model's dtype; so does the output head unless a
+clause names it ("head:int8"; "*" and size tests never reach it), and a tied head quantized
+stands apart from the embedding it was tied to. Optional per-layer input scales (activation-aware, from calibration) are folded in.
 Returns what was done and the bytes it saved.
 """
 from __future__ import annotations
@@ -18,7 +19,10 @@ from torch import nn
 
 from worker.model.quantization import INT4_GROUP_SIZE, QuantizedLinear, choose_paths, quantize
 
-LAYER_TYPES = {"qkv_proj": "attention", "o_proj": "attention", "gate_up_proj": "mlp", "down_proj": "mlp"}
+LAYER_TYPES = {"qkv_proj": "attention", "o_proj": "attention", "gate_up_proj": "mlp", "down_proj": "mlp",
+               "lm_head": "head"}
+# Only named on purpose: "*" and size tests leave the output head in the model's dtype.
+_OPT_IN = {"lm_head"}
 PRESETS = {
     "none": "",
     "int8": "*:int8",
@@ -37,13 +41,15 @@ def _parse_clause(clause: str) -> tuple[str, int | None]:
     if not sep or bits.strip().lower() not in _BITS:
         raise ValueError(f"quantization rule clause {clause!r} must be 'selector:bits' with bits int8, int4 or none")
     if selector not in ("*", *LAYER_TYPES, *set(LAYER_TYPES.values())) and not _SIZE.match(selector):
-        raise ValueError(f"quantization rule selector {selector!r} must be '*', a layer type (attention, mlp), "
+        raise ValueError(f"quantization rule selector {selector!r} must be '*', a layer type (attention, mlp, head), "
                          f"a projection ({', '.join(LAYER_TYPES)}) or a size test like params>=1e6")
     return selector, _BITS[bits.strip().lower()]
 
 
 def _matches(selector: str, module_name: str, weight: torch.Tensor) -> bool:
     leaf = module_name.rsplit(".", 1)[-1]
+    if leaf in _OPT_IN:
+        return selector in (leaf, LAYER_TYPES[leaf])
     if selector in ("*", leaf, LAYER_TYPES.get(leaf)):
         return True
     size = _SIZE.match(selector)
@@ -129,7 +135,9 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
         setattr(parent, name, quantized)
         key = f"{LAYER_TYPES[name]}:int{bits}"
         report.num_quantized[key] = report.num_quantized.get(key, 0) + 1
-        report.float_bytes += linear.weight.numel() * linear.weight.element_size()
+        embedding = getattr(model, "embed_tokens", None)
+        if embedding is None or linear.weight is not embedding.weight:  # a tied head's float bytes stay, as the embedding
+            report.float_bytes += linear.weight.numel() * linear.weight.element_size()
         report.quantized_bytes += qw.nbytes
         paths = f"{quantized.small_path}/{quantized.path}"  # decode-sized / prefill-sized steps
         report.paths[paths] = report.paths.get(paths, 0) + 1

@@ -95,7 +95,7 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so. Call again
         after anything that re-creates parameters (e.g. `to_empty`), which unties them."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):  # a quantized head stands alone
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
@@ -117,8 +117,8 @@ class Transformer(nn.Module):
 
     @property
     def output_device(self) -> torch.device:
-        """Where final hidden states and logits come out."""
-        return self.lm_head.weight.device
+        """Where final hidden states and logits come out (the final norm sits with the head)."""
+        return self.norm.weight.device
 
     @property
     def layer_devices(self) -> list[torch.device]:
@@ -130,4 +130,9 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, hidden] (only the positions we sample from) -> logits [B, V], into
         `out` when the caller keeps a buffer."""
+        if out is None or not isinstance(self.lm_head, nn.Linear):
+            # Through the module, so forward hooks see the head's input (calibration records
+            # it); a quantized head (an opt-in `head` rule) has no float weight to hand `linear`.
+            logits = self.lm_head(hidden)
+            return logits if out is None else out.copy_(logits)
         return linear(hidden, self.lm_head.weight, out=out)

@@ -81,7 +81,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
         load_quantized_state(model, model_dir)
     else:
         _load_weights(model, checkpoint_files(model_dir), dtype)
-    if config.tie_word_embeddings and plan.head_device != plan.embed_device:
+    if config.tie_word_embeddings and plan.head_device != plan.embed_device and isinstance(model.lm_head, torch.nn.Linear):
         # A tied head on another device than the embedding gets its own copy (read-only weights).
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().to(plan.head_device))
     model.eval().requires_grad_(False)
