@@ -22,7 +22,7 @@ from gateway.dispatcher import Dispatcher
 from gateway.metrics import Metrics
 from gateway.queues import QueueFullError
 from gateway.request_log import finish_request
-from gateway.streams import RequestState
+from gateway.streams import RequestState, StreamEvent
 from gateway.tokenizer import Tokenizer
 from gateway.validation import InvalidRequest, check_request_id, validate
 from protos import inference_pb2, inference_pb2_grpc
@@ -33,6 +33,28 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 _DEADLINE = object()  # queued by a stream's deadline timer: end the RPC with DEADLINE_EXCEEDED
 _FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
            "abort": inference_pb2.FINISH_REASON_ABORT, "error": inference_pb2.FINISH_REASON_ERROR}
+
+
+def _response(state: RequestState, events: list[StreamEvent]) -> inference_pb2.GenerateResponse:
+    """The text and token ids of `events` as one message (a failed event carries none)."""
+    text = "".join(e.text for e in events if e.status is None)
+    token_ids = [t for e in events if e.status is None for t in e.token_ids]
+    return inference_pb2.GenerateResponse(request_id=state.request_id, text=text, token_ids=token_ids,
+                                          worker_id=state.worker_id or "")
+
+
+def _with_ending(response: inference_pb2.GenerateResponse, state: RequestState,
+                 last: StreamEvent) -> inference_pb2.GenerateResponse:
+    """The stream's last message: finish reason, usage and timing added."""
+    response.finish_reason = _FINISH[last.finish_reason]
+    response.error = last.error
+    response.usage.prompt_tokens = len(state.prompt_ids)
+    response.usage.completion_tokens = len(state.output_ids)
+    response.usage.cached_prompt_tokens = state.num_cached_tokens
+    response.timing.queue_ms = state.queue_ms
+    response.timing.time_to_first_token_ms = state.ttft_ms
+    response.timing.total_ms = ((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3
+    return response
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -121,28 +143,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if deadline_passed:
                     events.pop()
                 if events:
-                    last = events[-1]
-                    text = "".join(e.text for e in events if e.status is None)
-                    token_ids = [t for e in events if e.status is None for t in e.token_ids]
-                    response = inference_pb2.GenerateResponse(request_id=state.request_id, text=text,
-                                                              token_ids=token_ids, worker_id=state.worker_id or "")
+                    last, response = events[-1], _response(state, events)
+                    has_tokens = bool(response.text or response.token_ids)
                     if last.status is not None:
-                        if text or token_ids:
+                        if has_tokens:
                             yield response
                         context.set_code(last.status)
                         await context.abort(last.status, last.error)
                     if last.finish_reason is not None:
-                        response.finish_reason = _FINISH[last.finish_reason]
-                        response.error = last.error
-                        response.usage.prompt_tokens = len(state.prompt_ids)
-                        response.usage.completion_tokens = len(state.output_ids)
-                        response.usage.cached_prompt_tokens = state.num_cached_tokens
-                        response.timing.queue_ms = state.queue_ms
-                        response.timing.time_to_first_token_ms = state.ttft_ms
-                        response.timing.total_ms = ((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3
-                        yield response
+                        yield _with_ending(response, state, last)
                         return
-                    if text or token_ids:
+                    if has_tokens:
                         yield response
                 if deadline_passed:
                     self.dispatcher.cancel(state.request_id, reason="error")

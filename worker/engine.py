@@ -23,13 +23,13 @@ from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budg
                              num_blocks_from_free_cuda_memory)
 from worker.memory import KVUsage
 from worker.model import cpu_kernels
-from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.config import ModelConfig
 from worker.calibrate import load_or_calibrate
+from worker.engine_config import ATTENTION, EngineConfig
 from worker.model.calibration import CalibrationSettings
-from worker.model.quantize_model import PRESETS, QuantizationRule, quantize_model
+from worker.model.quantize_model import quantize_model
 from worker.model.quantized_checkpoint import quantization_config
-from worker.model.placement import attach_placement, plan_weights, validate_load_mode
+from worker.model.placement import attach_placement, plan_weights
 from worker.model.weights import load_model, resolve_dtype
 from worker.model_runner import ModelRunner, OutOfMemory, SequenceStep
 from worker.request import Request, RequestStatus
@@ -39,56 +39,6 @@ from worker.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
 __all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejectedError", "SamplingParams"]
 
 log = logging.getLogger(__name__)
-_ATTENTION = {"fast": paged_attention, "reference": paged_attention_reference}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    device: str = "auto"  # "auto": cuda if available, else cpu
-    dtype: str | None = None  # None: float32 on CPU, the checkpoint's half type on CUDA
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit pool size; else sized from memory
-    kv_cache_bytes: int = 1 << 30  # CPU: the pool's byte budget
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_prefill_chunk_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    attention: str = "fast"  # "fast" or "reference"
-    seed: int | None = None  # for requests without a seed of their own
-    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
-    quantization: str = "none"  # weight-only: "none", "int8", "int4" or "mixed" (worker/model/quantize_model.py)
-    quantization_group_size: int = 128  # INT4 group size
-    # How weights are placed (worker/model/placement.py): "full" (all on `device`), "sharded" (layers
-    # split in pipeline stages over `devices`) or "on_demand" (host memory, each layer copied in as it runs).
-    load_mode: str = "full"
-    devices: tuple[str, ...] = ()  # sharded only: one device per stage, in pipeline order
-    quantization_symmetric: bool = False  # INT4 without zero points
-    quantization_rule: str | None = None  # replaces the mixed preset's rule, e.g. "params>=1e6:int8,*:int4"
-    # Activation-aware scales: "self" (the model's own samples), a text file's path, or "none" (plain rounding).
-    quantization_calibration: str = "self"
-
-    def __post_init__(self):
-        object.__setattr__(self, "devices", tuple(self.devices))  # a list from TOML or a caller
-        validate_load_mode(self.load_mode, self.devices, self.device)
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.attention not in _ATTENTION:
-            raise ValueError(f"attention must be one of {sorted(_ATTENTION)}, got {self.attention!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.quantization not in PRESETS:
-            raise ValueError(f"quantization must be one of {sorted(PRESETS)}, got {self.quantization!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        self.quantization_rule_parsed()  # a bad rule is refused here, not at load
-        if self.quantization_calibration != "none":
-            CalibrationSettings(source=self.quantization_calibration)
-
-    def quantization_rule_parsed(self) -> QuantizationRule:
-        return QuantizationRule.preset(self.quantization, self.quantization_rule,
-                                       group_size=self.quantization_group_size, symmetric=self.quantization_symmetric)
 
 
 @dataclass
@@ -160,7 +110,7 @@ class Engine:
             max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
         ), self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.max_num_batched_tokens,
-                                  config.max_num_seqs, max_model_len, self.sampler, _ATTENTION[config.attention])
+                                  config.max_num_seqs, max_model_len, self.sampler, ATTENTION[config.attention])
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: list[Request] = []
         self._ids = itertools.count()
@@ -170,7 +120,6 @@ class Engine:
         self.quantization_report = self.calibration = None
         if config.quantization != "none":
             self._quantize()
-        if self.quantization_report is not None:
             # Quantization replaced layer tensors: on_demand's pinned host copies and slots are rebuilt.
             attach_placement(self.model, self.placement_plan)
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,

@@ -240,7 +240,9 @@ class QuantizedLinear(nn.Module):
     def kernel_available(self, device: torch.device) -> bool:
         if self.bits == 8:
             return hasattr(torch, "_weight_int8pack_mm")
-        return _torch_int4_operands(self.qw, device) is not None if self.shape[1] % 64 == 0 else False
+        # Asked without building the packed operands: the same conditions `_torch_int4_operands` has.
+        converter = {"cpu": "_convert_weight_to_int4pack_for_cpu", "cuda": "_convert_weight_to_int4pack"}
+        return self.shape[1] % 64 == 0 and hasattr(torch, converter.get(device.type, "no such converter"))
 
 
 def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:

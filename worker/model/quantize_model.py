@@ -118,6 +118,7 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
     which leaves the product unchanged and the salient channels better resolved."""
     report = QuantizationReport()
     input_scales = input_scales or {}
+    embedding = getattr(model, "embed_tokens", None)
     for full_name, parent, name, linear in list(quantization_targets(model)):
         bits = rule.bits_for(full_name, linear.weight)
         if bits is None:
@@ -135,7 +136,6 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
         setattr(parent, name, quantized)
         key = f"{LAYER_TYPES[name]}:int{bits}"
         report.num_quantized[key] = report.num_quantized.get(key, 0) + 1
-        embedding = getattr(model, "embed_tokens", None)
         if embedding is None or linear.weight is not embedding.weight:  # a tied head's float bytes stay, as the embedding
             report.float_bytes += linear.weight.numel() * linear.weight.element_size()
         report.quantized_bytes += qw.nbytes
