@@ -81,6 +81,8 @@ def parse_args(argv):
                    help='"auto" (models/default if servable, else bench-small), "default", "bench-small" or a folder')
     p.add_argument("--threads", type=int, default=2, help="torch threads for the engine and the worker alike")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine / worker batch for (a) and (b)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the gateway's stream_interval for (a)-(c): tokens per GenerateResponse (1 = every token)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-compare", action="store_true", help="skip (a)-(c)")
     p.add_argument("--skip-priority", action="store_true", help="skip (d)")
@@ -186,7 +188,8 @@ def compare_phases(args, plan, model_dir, vocab, ctx, spec) -> dict:
     engine = engine_for(model_dir, worker)
     try:
         log("starting a 1-worker cluster")
-        with ClusterProcess(model_dir, 1, {"worker": worker}) as cluster:
+        gateway = {"stream_interval": args.stream_interval}
+        with ClusterProcess(model_dir, 1, {"worker": worker, "gateway": gateway}) as cluster:
             warmup = make_load_workload(spec["warmup"], vocab, ctx)
             replay(engine, warmup, concurrency=4, prefix="warm")
             run_load(cluster.address, warmup, concurrency=4, request_prefix="warm", poll_status=False)
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
     spec = specs(plan, args.seed)
     busy = wait_for_idle(args.wait_idle)
     results: dict = {"model_dir": str(model_dir), "vocab": vocab, "context": ctx, "threads": args.threads,
-                     "cpus": os.cpu_count(), "plan": plan.__dict__, "busy_before": busy, "runs": [], "all_runs": [],
+                     "stream_interval": args.stream_interval, "cpus": os.cpu_count(), "plan": plan.__dict__, "busy_before": busy, "runs": [], "all_runs": [],
                      "specs": {}}
     log(f"model {model_dir}; busy before start: {busy or 'none'}")
     capacity = None

@@ -115,7 +115,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         limits = [t for t in (remaining, self.config.gateway.request_timeout_s or None) if t is not None]
         state = RequestState(request_id=request_id, prompt_ids=checked.prompt_ids, params=checked.params,
                              priority=checked.priority, tokenizer=self.tokenizer, arrival_s=now,
-                             deadline_s=now + min(limits) if limits else None)
+                             deadline_s=now + min(limits) if limits else None,
+                             stream_interval=self.config.gateway.stream_interval,
+                             hold_s=self.config.gateway.stream_hold_ms / 1e3)
         try:
             self.dispatcher.submit(state)
         except QueueFullError as e:

@@ -1,7 +1,9 @@
 """One client stream's state: tokens received, text sent, stop strings, timings, its events.
 
 The dispatcher feeds worker deltas in (`on_tokens`); the servicer drains `events` and turns
-them into GenerateResponse messages. Tokens already streamed are kept so that a request
+them into GenerateResponse messages. With `stream_interval` N > 1, tokens are grouped here, where
+they are produced, so a held token costs no event, no relay wake-up and no message: the first
+token goes at once, then one event per N tokens, or when `hold_s` has passed, or at the end. Tokens already streamed are kept so that a request
 whose worker died can resume elsewhere from exactly that point.
 """
 from __future__ import annotations
@@ -48,9 +50,14 @@ class RequestState:
     num_preemptions: int = 0
     peak_kv_blocks: int = 0
     finish_reason: str | None = None
+    stream_interval: int = 1  # tokens per event (the gateway's stream_interval)
+    hold_s: float = 0.05  # the longest a token waits for its group to fill
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def __post_init__(self) -> None:
+        self._held = StreamEvent()  # tokens waiting for stream_interval
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self._emitted = False
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         self._pending_text = ""  # decoded but held back: it might be the start of a stop string
         self._hold_back = max((len(s) for s in self.params.stop), default=1) - 1
@@ -82,7 +89,22 @@ class RequestState:
         return False
 
     def _emit(self, text: str, token_ids: list[int]) -> None:
-        self.events.put_nowait(StreamEvent(text=text, token_ids=list(token_ids)))
+        held = self._held
+        held.text += text
+        held.token_ids.extend(token_ids)
+        if not self._emitted or len(held.token_ids) >= self.stream_interval:
+            self._flush_held()
+        elif self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(self.hold_s, self._flush_held)
+
+    def _flush_held(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        if self._held.text or self._held.token_ids:
+            self.events.put_nowait(self._held)
+            self._held = StreamEvent()
+            self._emitted = True
 
     def finish(self, reason: str, now_s: float, error: str = "") -> None:
         """The final event: any held-back text, then the finish reason."""
@@ -96,6 +118,7 @@ class RequestState:
         self._pending_text = ""
         self.finish_reason = reason
         self.finished_s = now_s
+        self._flush_held()
         self.events.put_nowait(StreamEvent(text=tail, finish_reason=reason, error=error))
 
     def fail(self, status: grpc.StatusCode, message: str, now_s: float) -> None:
@@ -104,6 +127,7 @@ class RequestState:
             return
         self.finish_reason = "error"
         self.finished_s = now_s
+        self._flush_held()
         self.events.put_nowait(StreamEvent(finish_reason="error", error=message, status=status))
 
     @property

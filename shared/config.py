@@ -33,6 +33,12 @@ class GatewayConfig:
     metrics_port: int = 8000  # Prometheus /metrics over HTTP; 0 = off
     metrics_host: str = "0.0.0.0"
     probe_timeout_s: float = 10.0  # ProbeWorker: how long to wait for the worker's reply
+    # Tokens per GenerateResponse (as vLLM's and SGLang's --stream-interval): 1 streams every token
+    # as it comes; N > 1 holds a stream's tokens until N are ready, the request ends, or
+    # stream_hold_ms passes. The first token always leaves at once. Larger N trades streaming
+    # granularity for host CPU: gRPC's cost is per message, on the gateway and on the client.
+    stream_interval: int = 1
+    stream_hold_ms: float = 50.0
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
@@ -42,6 +48,8 @@ class GatewayConfig:
         _check(self.request_timeout_s >= 0, "gateway.request_timeout_s", self.request_timeout_s, ">= 0")
         _check(0 <= self.metrics_port < 65536, "gateway.metrics_port", self.metrics_port, "in [0, 65535]")
         _check(self.probe_timeout_s > 0, "gateway.probe_timeout_s", self.probe_timeout_s, "> 0")
+        _check(self.stream_interval >= 1, "gateway.stream_interval", self.stream_interval, ">= 1")
+        _check(self.stream_hold_ms > 0, "gateway.stream_hold_ms", self.stream_hold_ms, "> 0")
         _check(self.max_concurrent_streams >= 1, "gateway.max_concurrent_streams", self.max_concurrent_streams,
                ">= 1")
 

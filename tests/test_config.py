@@ -56,6 +56,8 @@ def test_every_value_has_a_flag_and_flags_override_the_file():
     ({"queues.policy": "lifo"}, "queues.policy"),
     ({"queues.max_queue_wait_s": [[0, -1.0]]}, "queues.max_queue_wait_s"),
     ({"num_workers": 0}, "num_workers"),
+    ({"gateway.stream_interval": 0}, "gateway.stream_interval"),
+    ({"gateway.stream_hold_ms": 0}, "gateway.stream_hold_ms"),
     ({"worker.quantization_calibration": "/no/such/calibration.txt"}, "worker.quantization_calibration"),
 ])
 def test_bad_values_are_refused_by_name(overrides, words):
