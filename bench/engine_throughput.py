@@ -46,7 +46,7 @@ def parse_args(argv):
                    help="wait up to S seconds for other processes to stop using the CPU before measuring")
     p.add_argument("--retries", type=int, default=1,
                    help="re-run a measurement (after waiting up to 2 min for an idle CPU) when other processes used "
-                        f"> {FOREIGN_LOAD_WARN:.0%} of the CPU during it; the least-disturbed attempt is kept")
+                        f"> {FOREIGN_LOAD_WARN * 100:.0f}%% of the CPU during it; the least-disturbed attempt is kept")
     return p.parse_args(argv)
 
 

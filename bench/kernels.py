@@ -1,8 +1,9 @@
 """Our CPU kernels against torch's own path, shape by shape: `python -m bench.kernels`.
 
-Decides where `worker.model.layers.SMALL_BATCH_MAX_ROWS` should sit and whether the
-paged decode-attention kernel pays over SDPA on gathered K/V. Prints ratios measured in
-this process, side by side.
+Shows whether the packed-panel linear kernel pays over BLAS at every row count (it is the
+float32 path of `worker.model.layers.Linear` whenever the kernels build), which BLAS form
+to use without it, and whether the paged decode-attention kernel pays over SDPA on
+gathered K/V. Prints ratios measured in this process, side by side.
 """
 from __future__ import annotations
 
@@ -32,17 +33,20 @@ def timed_ms(fn, repeats: int) -> float:
 
 
 def bench_linear(kernels, repeats: int) -> None:
-    print("linear: x [M, K] @ W[N, K]^T, median ms (torch / ours, ratio > 1 means ours is faster)")
+    from worker.model.layers import linear, pack_panels
+    print("linear: x [M, K] @ W[N, K]^T, median ms (BLAS in its faster form / our packed kernel, "
+          "ratio > 1 means ours is faster)")
     for n, k in SHAPES:
         weight = torch.randn(n, k)
+        packed = pack_panels(weight)
         cells = []
-        for rows in (1, 2, 4, 8, 16, 32):
+        for rows in (1, 4, 8, 16, 32, 64, 128, 512):
             x = torch.randn(rows, k)
             out = torch.empty(rows, n)
-            kernels.linear_small_batch(x, weight, out)
+            kernels.linear_packed(x, packed, out)
             torch.testing.assert_close(out, x @ weight.t(), atol=1e-3, rtol=1e-4)
-            ref = timed_ms(lambda: F.linear(x, weight), repeats)
-            ours = timed_ms(lambda: kernels.linear_small_batch(x, weight, out), repeats)
+            ref = timed_ms(lambda: linear(x, weight, out=out), repeats)
+            ours = timed_ms(lambda: kernels.linear_packed(x, packed, out), repeats)
             cells.append(f"M={rows}: {ref:.2f}/{ours:.2f} ({ref / ours:.2f}x)")
         print(f"  [{n}x{k}] " + "  ".join(cells))
 
@@ -63,17 +67,20 @@ def bench_transposed_form(repeats: int) -> None:
 
 def bench_quantized_linear(repeats: int) -> None:
     """Each quantized compute path against the float32 kernel, at decode and prefill sizes."""
+    from worker.model.layers import Linear
     from worker.model.quantization import QuantizedLinear, quantize
     print("quantized linear: median ms per path (float32 ours | int8 ours / torch / dequant | "
           "int4 ours / torch / dequant); int4 groups of 128 (32 where K is not a multiple)")
     for n, k in SHAPES:
         weight = torch.randn(n, k)
         layers = {bits: QuantizedLinear(quantize(weight, bits, 128 if k % 128 == 0 else 32)) for bits in (8, 4)}
+        float_layer = Linear(k, n, bias=False)
+        float_layer.weight.data.copy_(weight)
         cells = []
         for rows in (1, 4, 16, 128):
             x = torch.randn(rows, k)
             out = torch.empty(rows, n)
-            row = [timed_ms(lambda: kernels_linear(x, weight, out), repeats)]
+            row = [timed_ms(lambda: float_layer(x, out=out), repeats)]
             for layer in layers.values():
                 for path in ("ours", "kernel", "dequant"):
                     layer.path = layer.small_path = path
@@ -82,12 +89,6 @@ def bench_quantized_linear(repeats: int) -> None:
             cells.append(f"M={rows}: {row[0]:.2f} | " + " / ".join(f"{v:.2f}" for v in row[1:4]) + " | "
                          + " / ".join(f"{v:.2f}" for v in row[4:]))
         print(f"  [{n}x{k}] " + "   ".join(cells))
-
-
-def kernels_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The float32 path the model takes for this shape (our kernel or BLAS, as layers.linear picks)."""
-    from worker.model.layers import linear
-    return linear(x, weight, out=out)
 
 
 def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size: int = 16) -> None:

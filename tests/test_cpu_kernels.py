@@ -6,29 +6,56 @@ import torch
 import torch.nn.functional as F
 
 from worker.model import cpu_kernels
-from worker.model.layers import (SMALL_BATCH_MAX_ROWS, TRANSPOSED_ROWS, WIDE_WEIGHT_KERNEL_MAX_ROWS,
-                                 WIDE_WEIGHT_RATIO, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS, linear)
+from worker.model.layers import (PANEL, TRANSPOSED_ROWS, WIDE_WEIGHT_RATIO, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS, Linear,
+                                 linear, pack_panels)
+
+ROWS = [1, 2, 5, 6, 7, 13, 17, 40, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS + 1, TRANSPOSED_ROWS.stop, 300]
+# ordinary; wide; features not a multiple of the panel, odd in_features
+SHAPES = [(96, 64), (64 * WIDE_WEIGHT_RATIO, 64), (10, 20), (3 * PANEL + 5, 33)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1, 17,
-                                  WIDE_WEIGHT_KERNEL_MAX_ROWS, 40, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS + 1,
-                                  TRANSPOSED_ROWS.stop])
-@pytest.mark.parametrize("shape", [(96, 64), (64 * WIDE_WEIGHT_RATIO, 64), (10, 20)])  # ordinary, wide, untiled
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_out", [False, True])
-def test_linear_matches_torch(rows, shape, with_bias, with_out):
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_matches_torch(rows, shape, with_bias, with_out, packed):
+    # Every tile height of the packed kernel (rows mod 6) and each BLAS form.
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=g)
     bias = torch.randn(shape[0], generator=g) if with_bias else None
     x = torch.randn(rows, shape[1], generator=g)
     out = torch.full((rows, shape[0]), float("nan")) if with_out else None
-    got = linear(x, weight, bias, out=out)
+    got = linear(x, weight, bias, out=out, packed=pack_panels(weight) if packed else None)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     if with_out:
         assert got.data_ptr() == out.data_ptr()
 
 
-def test_small_batch_kernel_is_built_here():
+def test_pack_panels_layout():
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    packed = pack_panels(weight)
+    assert packed.shape == (2, 3, PANEL)
+    assert packed[1, 2, 3].item() == weight[PANEL + 3, 2].item()
+    assert torch.all(packed[1, :, 4:] == 0)  # the padding past 20 features
+
+
+def test_linear_module_repacks_when_its_weight_changes():
+    torch.manual_seed(0)
+    layer = Linear(32, 40, bias=True)
+    x = torch.randn(3, 32)
+    first = layer.packed_weight()
+    assert first is not None and layer.packed_weight() is first  # packed once, reused
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # in place: the version counter moves
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(40, 32))  # new storage
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert "_packed" not in "".join(layer.state_dict())
+
+
+def test_cpu_kernels_are_built_here():
     # This machine (and CI) has a compiler: the fast paths must really be exercised.
     assert cpu_kernels.load() is not None
 

@@ -14,45 +14,46 @@ from worker.model import cpu_kernels
 from worker.model.config import RopeConfig
 
 # Where each matmul form wins on the CPU, measured by `python -m bench.kernels` (see
-# docs/benchmarks.md). Up to a few rows our register-tiled kernel streams the weight at
-# close to memory bandwidth and beats BLAS; against a very wide weight (the LM head) it
-# wins further, and BLAS then does better computing (W x^T)^T than x W^T, as it does for
-# ordinary layer weights at 32..96 rows; elsewhere, plain BLAS.
-SMALL_BATCH_MAX_ROWS = 8
+# docs/benchmarks.md). With our kernels built, a Linear's float32 weight is packed once into
+# 16-feature panels and `linear_packed` runs every row count: 1.0-3x BLAS from 4 to ~128 rows,
+# on a par at 512, and at memory bandwidth for one row. Without them (no compiler, another
+# device), BLAS, which does better computing (W x^T)^T than x W^T at 32..96 rows for layer
+# weights and at up to 64 rows for a very wide one (the LM head).
+PANEL = 16  # output features per packed panel (kPanel in cpu_kernels.cpp)
 WIDE_WEIGHT_RATIO = 8  # out_features / in_features at which a weight counts as wide
-WIDE_WEIGHT_KERNEL_MAX_ROWS = 32
 WIDE_WEIGHT_TRANSPOSED_MAX_ROWS = 64
 TRANSPOSED_ROWS = range(32, 97)
 
 
-def _is_wide(out_features: int, in_features: int) -> bool:
-    return out_features >= WIDE_WEIGHT_RATIO * in_features
+def _transposed_is_faster(rows: int, weight: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    if out_features >= WIDE_WEIGHT_RATIO * in_features:
+        return rows <= WIDE_WEIGHT_TRANSPOSED_MAX_ROWS
+    return rows in TRANSPOSED_ROWS
 
 
-def _fastest_form(rows: int, weight: torch.Tensor, has_kernels: bool) -> str:
-    """'kernel', 'transposed' or 'blas' for x [rows, K] @ weight^T, as measured."""
-    wide = _is_wide(*weight.shape)
-    if has_kernels and rows <= (WIDE_WEIGHT_KERNEL_MAX_ROWS if wide else SMALL_BATCH_MAX_ROWS):
-        return "kernel"
-    if (rows <= WIDE_WEIGHT_TRANSPOSED_MAX_ROWS) if wide else (rows in TRANSPOSED_ROWS):
-        return "transposed"
-    return "blas"
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16]: for each k, a panel's 16 weights side by side
+    (the rows past N are zeros)."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = F.pad(weight, (0, 0, 0, panels * PANEL - out_features))
+    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given, by the fastest measured
-    form for this shape on this device."""
-    on_cpu = x.dim() == 2 and weight.is_contiguous() and x.device.type == "cpu" and weight.dtype == torch.float32
-    kernels = cpu_kernels.for_tensors(x, weight) if on_cpu else None
-    form = _fastest_form(x.shape[0], weight, kernels is not None) if on_cpu else "blas"
-    if form == "blas" and out is None:
+           out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given: through our kernel when the
+    caller has the weight packed (`pack_panels`), else by the faster BLAS form for the shape."""
+    kernels = cpu_kernels.for_tensors(x, weight) if packed is not None and x.dim() == 2 else None
+    if kernels is None and out is None and not (x.dim() == 2 and x.device.type == "cpu"
+                                                and _transposed_is_faster(x.shape[0], weight)):
         return F.linear(x, weight, bias)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    if form == "kernel":
-        kernels.linear_small_batch(x, weight, out)
-    elif form == "transposed":
+    if kernels is not None:
+        kernels.linear_packed(x, packed, out)
+    elif x.device.type == "cpu" and _transposed_is_faster(x.shape[0], weight):
         out.copy_(torch.mm(weight, x.t()).t())  # (W x^T)^T: [N, M] computed, then laid out [M, N]
     else:
         torch.mm(x, weight.t(), out=out)
@@ -60,10 +61,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward goes through `linear` above."""
+    """nn.Linear whose forward goes through `linear` above, with its weight packed for our CPU
+    kernel on first use. The packed copy is rebuilt whenever the weight changes (new storage or
+    an in-place write), and it is not part of the state dict."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def packed_weight(self) -> torch.Tensor | None:
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or cpu_kernels.load() is None:
+            return None
+        key = (weight.data_ptr(), weight._version)
+        cached = self.__dict__.get("_packed")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self.__dict__["_packed"] = (key, pack_panels(weight.detach()))
+        return cached[1]
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, out=out, packed=self.packed_weight())
 
 
 class RMSNorm(nn.Module):

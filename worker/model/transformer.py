@@ -130,9 +130,7 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [B, hidden] (only the positions we sample from) -> logits [B, V], into
         `out` when the caller keeps a buffer."""
-        if out is None or not isinstance(self.lm_head, nn.Linear):
-            # Through the module, so forward hooks see the head's input (calibration records
-            # it); a quantized head (an opt-in `head` rule) has no float weight to hand `linear`.
-            logits = self.lm_head(hidden)
-            return logits if out is None else out.copy_(logits)
-        return linear(hidden, self.lm_head.weight, out=out)
+        if isinstance(self.lm_head, Linear):
+            return self.lm_head(hidden, out=out)  # through the module: forward hooks see the head's input
+        logits = self.lm_head(hidden)  # a quantized head (an opt-in `head` rule)
+        return logits if out is None else out.copy_(logits)

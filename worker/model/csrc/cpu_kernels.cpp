@@ -1,9 +1,10 @@
 // Our CPU kernels, float32 only (the Python side falls back to torch for anything else):
 // - paged decode attention: one new query token per sequence, K/V read in place through
 //   the block table (no gathered copy);
-// - small-batch linear: y = x W^T for a few rows of x, streaming each weight row once and
-//   splitting the output features over all threads (a decode step is bound by reading W);
-// - the same with int8 or packed int4 weights widened in registers (weight-only quantization);
+// - packed-panel linear: y = x W^T with W pre-packed in 16-feature panels, register-tiled
+//   over rows of x, at any number of rows (faster than BLAS from 1 to ~512 rows here);
+// - small-batch linear with int8 or packed int4 weights widened in registers (weight-only
+//   quantization);
 // - RMSNorm and SiLU-and-multiply in one pass each, where torch takes several small ops
 //   whose fixed cost dominates at decode sizes.
 #include <torch/extension.h>
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -56,10 +58,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t slot_stride = num_kv_heads * head_dim;  // floats between consecutive slots
 
   // One task per sequence: each block is read front to back (all KV heads of a slot are
-  // adjacent), and the query heads of a group share every K/V row they read.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // adjacent), and the query heads of a group share every K/V row they read. Sequences differ
+  // in length by 10x or more, so tasks go longest first to whichever thread is free (dynamic),
+  // not in equal contiguous shares.
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs)))
+  {
     std::vector<float> scores;  // [H, len]
-    for (int64_t b = begin; b < end; ++b) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_seqs; ++task) {
+      const int64_t b = order[task];
       const int64_t len = lens[b];
       const int64_t* table = tables + b * table_width;
       const float* q_seq = q_ptr + b * num_heads * head_dim;
@@ -75,12 +85,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         }
       }
       for (int64_t h = 0; h < num_heads; ++h) {  // softmax, max-subtracted
-        float* s = scores.data() + h * len;
-        const float max_score = *std::max_element(s, s + len);
+        float* sc = scores.data() + h * len;
+        const float max_score = *std::max_element(sc, sc + len);
         float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - max_score));
+        for (int64_t t = 0; t < len; ++t) total += (sc[t] = std::exp(sc[t] - max_score));
         const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
       }
       std::fill(out_seq, out_seq + num_heads * head_dim, 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
@@ -98,55 +108,85 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         }
       }
     }
-  });
+  }
   return out;
 }
 
-// x [M, K], weight [N, K] -> [M, N]. Meant for small M (decode), where reading the weight
-// dominates: each row of W is loaded once and dotted with every row of x.
-// Writes into `out` [M, N] (contiguous float32), so callers can keep a preallocated buffer.
-void linear_small_batch(torch::Tensor x, torch::Tensor weight, torch::Tensor out) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shape mismatch");
+// Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
+// packed [ceil(N / kPanel), K, kPanel] (zero padded), so that for each k the panel's kPanel
+// weights are one contiguous 64-byte row. A register tile of up to kPanelRows rows of x times
+// one panel keeps 2 x kPanelRows AVX2 accumulators over the whole of K: each step loads two
+// weight vectors, broadcasts one x value per row and issues two FMAs per row. The panel
+// (K x 64 bytes) stays in L1/L2 while every row tile of x passes over it, so the weight is
+// read from memory once per call whatever the rows. Threads split the panels.
+constexpr int64_t kPanel = 16;
+constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+
+template <int MR>
+inline void panel_tile(const float* x, int64_t in_features, const float* panel, float* out,
+                       int64_t out_features, int64_t n_count) {
+#ifdef HAVE_AVX2_FMA
+  // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
+  // accumulator arrays on the stack and stores them back on every step).
+  __m256 lo[MR], hi[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in_features; ++k) {
+    const __m256 w_lo = _mm256_load_ps(panel + k * kPanel), w_hi = _mm256_load_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(x + i * in_features + k);
+      lo[i] = _mm256_fmadd_ps(a, w_lo, lo[i]);
+      hi[i] = _mm256_fmadd_ps(a, w_hi, hi[i]);
+    }
+  }
+  alignas(32) float row[kPanel];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    _mm256_store_ps(row, lo[i]);
+    _mm256_store_ps(row + 8, hi[i]);
+    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
+  }
+#else
+  for (int i = 0; i < MR; ++i) {
+    float row[kPanel] = {};
+    for (int64_t k = 0; k < in_features; ++k)
+      for (int64_t j = 0; j < kPanel; ++j) row[j] += x[i * in_features + k] * panel[k * kPanel + j];
+    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
+  }
+#endif
+}
+
+template <int MR>
+inline void panel_rows(const float* x, int64_t in_features, const float* panel, float* out,
+                       int64_t out_features, int64_t n_count, int64_t rows) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return panel_tile<MR>(x, in_features, panel, out, out_features, n_count);
+    panel_rows<MR - 1>(x, in_features, panel, out, out_features, n_count, rows);
+  }
+}
+
+// x [M, K], packed [P, K, kPanel] (pack_panels in worker/model/layers.py) -> out [M, N].
+void linear_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor out) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && packed.dtype() == torch::kFloat32, "float32 only");
   x = x.contiguous();
-  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = weight.size(0);
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
+              packed.is_contiguous(), "packed must be a contiguous [P, K, 16] tensor matching x [M, K]");
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   TORCH_CHECK(out.is_contiguous() && out.dtype() == torch::kFloat32 && out.size(0) == rows &&
-              out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
+              (out_features + kPanel - 1) / kPanel == packed.size(0),
+              "out must be a contiguous float32 [M, N] tensor with ceil(N / 16) panels");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 32 == 0, "packed must be 32-byte aligned");
   const float* x_ptr = x.data_ptr<float>();
-  const float* w_ptr = weight.data_ptr<float>();
+  const float* p_ptr = packed.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  const bool tiled = in_features % kLanes == 0;
-  // Tiles of kTileN weight rows: each W row is streamed once per tile of kTileM x rows, with
-  // the kTileM x kTileN partial dot products held in registers (the compiler keeps the
-  // fixed-size accumulator array in vector registers).
-  at::parallel_for(0, (out_features + kTileN - 1) / kTileN, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kTileN, n_count = std::min(kTileN, out_features - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += kTileM) {
-        const int64_t m_count = std::min(kTileM, rows - m0);
-        if (!tiled || n_count < kTileN || m_count < kTileM) {
-          for (int64_t n = n0; n < n0 + n_count; ++n)
-            for (int64_t m = m0; m < m0 + m_count; ++m)
-              out_ptr[m * out_features + n] = dot(x_ptr + m * in_features, w_ptr + n * in_features, in_features);
-          continue;
-        }
-        float acc[kTileM][kTileN][kLanes] = {};
-        for (int64_t k = 0; k < in_features; k += kLanes)
-          for (int64_t i = 0; i < kTileM; ++i)
-            for (int64_t j = 0; j < kTileN; ++j) {
-              const float* xr = x_ptr + (m0 + i) * in_features + k;
-              const float* wr = w_ptr + (n0 + j) * in_features + k;
-#pragma omp simd
-              for (int64_t l = 0; l < kLanes; ++l) acc[i][j][l] += xr[l] * wr[l];
-            }
-        for (int64_t i = 0; i < kTileM; ++i)
-          for (int64_t j = 0; j < kTileN; ++j) {
-            float total = 0.f;
-            for (int64_t l = 0; l < kLanes; ++l) total += acc[i][j][l];
-            out_ptr[(m0 + i) * out_features + n0 + j] = total;
-          }
-      }
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = p_ptr + p * in_features * kPanel;
+      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kPanelRows)
+        panel_rows<kPanelRows>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features + n0,
+                               out_features, n_count, std::min<int64_t>(kPanelRows, rows - m0));
     }
   });
 }
@@ -378,7 +418,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
-  m.def("linear_small_batch", &linear_small_batch, "out = x @ weight.T for few rows (CPU, float32)");
+  m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels (CPU, float32)");
   m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
 }
