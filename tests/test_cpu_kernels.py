@@ -82,3 +82,15 @@ def test_gated_mlp_kernel_matches_torch(rows):
     gate, up = mlp.gate_up_proj(x).split(48, dim=-1)
     expected = mlp.down_proj(F.silu(gate) * up)
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 37, 32000])
+def test_argmax_kernel_matches_torch_including_ties(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    logits[1] = 0.5  # all tied: the first index wins, as in torch
+    if vocab > 20:
+        logits[2, 3] = logits[2, 19] = 100.0  # a tie between lanes of different vectors
+        logits[3, -1] = 100.0  # the maximum in the scalar tail
+    got = cpu_kernels.load().argmax_rows(logits)
+    assert got.tolist() == logits.argmax(dim=-1).tolist()

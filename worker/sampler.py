@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from shared.sampling_params import MAX_SEED, SamplingParams
+from worker.model import cpu_kernels
 
 __all__ = [
     "Sampler",
@@ -199,7 +200,9 @@ class Sampler:
 
         # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax).
         if not sampled_rows and not penalised_rows and not want_logprobs:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
+            kernels = cpu_kernels.for_tensors(logits) if logits.dim() == 2 else None
+            tokens = kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
 
         # Copy once: everything below works in place and the caller's logits (needed raw for logprobs) stay intact.
         x = logits.to(dtype=torch.float32, copy=True)  # [B, V]

@@ -385,6 +385,57 @@ void linear_small_batch_int4(torch::Tensor x, torch::Tensor qweight, torch::Tens
 }
 
 // out = weight * x / sqrt(mean(x^2) + eps), row by row; x, out [M, D] contiguous.
+// Greedy sampling's argmax over each row of logits [B, V]: the first index of the largest
+// value (NaN never wins), 8 lanes at a time, rows split over threads. torch's CPU argmax
+// takes ~40 us per 32k-vocabulary row on one thread; a 32-row decode step paid 1.2 ms.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2, "float32 [B, V] only");
+  logits = logits.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab >= 1, "empty rows");
+  auto out = torch::empty({rows}, torch::kInt64);
+  const float* in_ptr = logits.data_ptr<float>();
+  int64_t* out_ptr = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = in_ptr + r * vocab;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t best_index = 0, i = 0;
+#ifdef HAVE_AVX2_FMA
+      if (vocab >= kLanes && vocab < (int64_t{1} << 31)) {
+        __m256 lane_best = _mm256_set1_ps(best);
+        __m256i lane_index = _mm256_setzero_si256(), index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i step = _mm256_set1_epi32(kLanes);
+        for (; i + kLanes <= vocab; i += kLanes) {
+          const __m256 v = _mm256_loadu_ps(row + i);
+          const __m256 greater = _mm256_cmp_ps(v, lane_best, _CMP_GT_OQ);  // strict: each lane keeps its first
+          lane_best = _mm256_blendv_ps(lane_best, v, greater);
+          lane_index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(lane_index),
+                                                            _mm256_castsi256_ps(index), greater));
+          index = _mm256_add_epi32(index, step);
+        }
+        alignas(32) float values[kLanes];
+        alignas(32) int32_t indices[kLanes];
+        _mm256_store_ps(values, lane_best);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(indices), lane_index);
+        for (int64_t l = 0; l < kLanes; ++l)
+          if (values[l] > best || (values[l] == best && indices[l] < best_index)) {
+            best = values[l];
+            best_index = indices[l];
+          }
+      }
+#endif
+      for (; i < vocab; ++i)
+        if (row[i] > best) {
+          best = row[i];
+          best_index = i;
+        }
+      out_ptr[r] = best_index;
+    }
+  });
+  return out;
+}
+
 void rms_norm(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous tensors only");
@@ -422,6 +473,7 @@ void silu_and_mul(torch::Tensor gate_up, torch::Tensor out) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
   m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels (CPU, float32)");
