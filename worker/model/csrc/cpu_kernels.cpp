@@ -197,8 +197,8 @@ void linear_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor out) {
   });
 }
 
-// Weight-only quantized small-batch linear: the same register tiles as above, with the weight
-// read as int8 (one byte) or packed int4 (half a byte) and widened to float in registers, so a
+// Weight-only quantized small-batch linear: register tiles of kTileM rows of x by kTileN weight
+// rows (dot-product form, the weight in its plain [N, K] layout), with the weight read as int8 (one byte) or packed int4 (half a byte) and widened to float in registers, so a
 // decode step reads 4x or 8x fewer weight bytes than float32. Per output row n:
 //   int8: y = scale[n] * (x . q[n])
 //   int4: y = sum over groups g of scale[n, g] * (x_g . q[n]_g) + zero[n, g] * sum(x_g)
