@@ -94,3 +94,12 @@ def test_argmax_kernel_matches_torch_including_ties(vocab):
         logits[3, -1] = 100.0  # the maximum in the scalar tail
     got = cpu_kernels.load().argmax_rows(logits)
     assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_linear_module_repacks_when_its_data_is_swapped():
+    torch.manual_seed(1)
+    layer = Linear(16, 24, bias=False)
+    x = torch.randn(2, 16)
+    layer(x)
+    layer.weight.data = torch.randn(24, 16)  # what pinning host memory does (placement.py)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)

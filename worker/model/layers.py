@@ -46,7 +46,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given: through our kernel when the
     caller has the weight packed (`pack_panels`), else by the faster BLAS form for the shape."""
-    kernels = cpu_kernels.for_tensors(x, weight) if packed is not None and x.dim() == 2 else None
+    # A packed weight is a float32 CPU weight and our kernels are built (Linear.packed_weight).
+    kernels = cpu_kernels.load() if (packed is not None and x.dim() == 2 and x.dtype == torch.float32
+                                     and x.device.type == "cpu") else None
     if kernels is None and out is None and not (x.dim() == 2 and x.device.type == "cpu"
                                                 and _transposed_is_faster(x.shape[0], weight)):
         return F.linear(x, weight, bias)
@@ -68,14 +70,16 @@ class Linear(nn.Linear):
 
     def packed_weight(self) -> torch.Tensor | None:
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or cpu_kernels.load() is None:
-            return None
-        key = (weight.data_ptr(), weight._version)
         cached = self.__dict__.get("_packed")
-        if cached is None or cached[0] != key:
+        key = (weight.data_ptr(), weight._version)  # new storage (even under .data =) or an in-place write
+        if cached is not None and cached[0] is weight and cached[1] == key:
+            return cached[2]
+        packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.load() is not None:
             with torch.no_grad():
-                cached = self.__dict__["_packed"] = (key, pack_panels(weight.detach()))
-        return cached[1]
+                packed = pack_panels(weight.detach())
+        self.__dict__["_packed"] = (weight, key, packed)
+        return packed
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, self.weight, self.bias, out=out, packed=self.packed_weight())
