@@ -137,13 +137,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // (K x 64 bytes) stays in L1/L2 while every row tile of x passes over it, so the weight is
 // read from memory once per call whatever the rows. Threads split the panels.
 constexpr int64_t kPanel = 16;
-constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+constexpr int kPanelRows = 6;
+constexpr int64_t kPrefetchMaxRows = 64;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 
-// `next`, when given, is the panel this thread takes next. Its k-th 64-byte line is prefetched
-// by the row tile that has k % num_tiles == tile, so the next panel streams in from memory
-// evenly over all of this panel's compute rather than after it (or in a burst that fills the
-// core's miss buffers and stalls the FMAs).
-template <int MR>
+// With kPrefetch, `next` is the panel this thread takes next. Its k-th 64-byte line is
+// prefetched (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile,
+// so the next panel streams in from memory evenly over all of this panel's compute rather
+// than after it (or in a burst that fills the core's miss buffers and stalls the FMAs).
+template <int MR, bool kPrefetch>
 inline void panel_tile(const float* x, int64_t in_features, const float* panel, float* out,
                        int64_t out_features, int64_t n_count, const float* next, int64_t tile, int64_t num_tiles) {
 #ifdef HAVE_AVX2_FMA
@@ -154,8 +155,8 @@ inline void panel_tile(const float* x, int64_t in_features, const float* panel, 
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   int64_t prefetch_k = next != nullptr ? tile : in_features;
   for (int64_t k = 0; k < in_features; ++k) {
-    if (k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
+    if (kPrefetch && k == prefetch_k) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
       prefetch_k += num_tiles;
     }
     const __m256 w_lo = _mm256_load_ps(panel + k * kPanel), w_hi = _mm256_load_ps(panel + k * kPanel + 8);
@@ -183,13 +184,14 @@ inline void panel_tile(const float* x, int64_t in_features, const float* panel, 
 #endif
 }
 
-template <int MR>
+template <int MR, bool kPrefetch>
 inline void panel_rows(const float* x, int64_t in_features, const float* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const float* next, int64_t tile,
                        int64_t num_tiles) {
   if constexpr (MR > 0) {
-    if (rows == MR) return panel_tile<MR>(x, in_features, panel, out, out_features, n_count, next, tile, num_tiles);
-    panel_rows<MR - 1>(x, in_features, panel, out, out_features, n_count, rows, next, tile, num_tiles);
+    if (rows == MR)
+      return panel_tile<MR, kPrefetch>(x, in_features, panel, out, out_features, n_count, next, tile, num_tiles);
+    panel_rows<MR - 1, kPrefetch>(x, in_features, panel, out, out_features, n_count, rows, next, tile, num_tiles);
   }
 }
 
@@ -207,6 +209,9 @@ void linear_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor out) {
   const float* x_ptr = x.data_ptr<float>();
   const float* p_ptr = packed.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
+  // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
+  // panel is reused by many row tiles and the compute-bound loop does better without it.
+  const bool prefetch = rows <= kPrefetchMaxRows;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = p_ptr + p * in_features * kPanel;
@@ -217,8 +222,13 @@ void linear_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor out) {
       const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
       for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
         const int64_t tile_rows = base + (t < extra ? 1 : 0);
-        panel_rows<kPanelRows>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features + n0,
-                               out_features, n_count, tile_rows, next, t, tiles);
+        if (prefetch)
+          panel_rows<kPanelRows, true>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features + n0,
+                                       out_features, n_count, tile_rows, next, t, tiles);
+        else
+          panel_rows<kPanelRows, false>(x_ptr + m0 * in_features, in_features, panel,
+                                        out_ptr + m0 * out_features + n0, out_features, n_count, tile_rows, nullptr,
+                                        t, tiles);
         m0 += tile_rows;
       }
     }
