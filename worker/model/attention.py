@@ -92,9 +92,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     attention needs no K/V copy per head. A prompt chunk with nothing cached attends to its own fresh
     K/V (causal, no gather); a chunk after cached context gathers its context.
     """
-    out = torch.empty_like(q)
     num_decodes = meta.num_decodes
     kernels = _cpu_kernels(q, k_cache, v_cache) if num_decodes else None
+    if kernels is not None and num_decodes == q.shape[0]:  # a decode-only step: the kernel's output is all of it
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:num_decodes],
+                                              meta.seq_lens[:num_decodes], scale)
+    out = torch.empty_like(q)
     if kernels is not None:
         out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                                            meta.block_tables[:num_decodes],
