@@ -175,7 +175,9 @@ def test_hooks_on_a_host_layer_fire_when_a_slot_runs_it(model_dirs):
         engine.model.layers[2].mlp.down_proj.register_forward_hook(lambda m, args, out: inputs.append(args[0].clone()))
         engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert len(seen["on_demand"]) == len(seen["full"]) == 3
-    assert all(torch.equal(a, b) for a, b in zip(seen["on_demand"], seen["full"]))
+    # Close, not bitwise: a slot's Linear runs BLAS, a resident one our packed kernel.
+    for a, b in zip(seen["on_demand"], seen["full"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_on_demand_with_a_slot_per_layer_copies_each_layer_once(model_dirs):

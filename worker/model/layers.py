@@ -66,7 +66,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear whose forward goes through `linear` above, with its weight packed for our CPU
     kernel on first use. The packed copy is rebuilt whenever the weight changes (new storage or
-    an in-place write), and it is not part of the state dict."""
+    an in-place write), and it is not part of the state dict. `pack = False` keeps the plain
+    BLAS path (a weight rewritten before every use, as in an on-demand slot)."""
+
+    pack = True
 
     def packed_weight(self) -> torch.Tensor | None:
         weight = self.weight
@@ -75,7 +78,7 @@ class Linear(nn.Linear):
         if cached is not None and cached[0] is weight and cached[1] == key:
             return cached[2]
         packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.load() is not None:
+        if self.pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.load() is not None:
             with torch.no_grad():
                 packed = pack_panels(weight.detach())
         self.__dict__["_packed"] = (weight, key, packed)

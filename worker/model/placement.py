@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from worker.model.attention import AttentionMetadata
+from worker.model.layers import Linear
 from worker.model.quantization import QuantizedLinear, choose_paths
 
 log = logging.getLogger(__name__)
@@ -335,8 +336,11 @@ def _prepare_slot_module(module: nn.Module, device: torch.device) -> nn.Module:
     INT4 kernel path packs its operands once from the weights it was built with, so a slot would
     keep layer 0's: such a slot computes through the dequant path instead (our kernels read the
     buffers directly). Paths measured on the host are measured again on the device (torch's
-    packed kernels differ per device)."""
+    packed kernels differ per device). A float Linear in a slot gets a new layer's weight copied
+    in before every use, so it runs unpacked: packing would copy each weight once more per use."""
     for m in module.modules():
+        if isinstance(m, Linear):
+            m.pack = False
         if not isinstance(m, QuantizedLinear):
             continue
         if device.type != HOST.type:
