@@ -103,3 +103,22 @@ def test_linear_module_repacks_when_its_data_is_swapped():
     layer(x)
     layer.weight.data = torch.randn(24, 16)  # what pinning host memory does (placement.py)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_released_linear_keeps_only_panels_and_still_computes_and_reads():
+    from worker.model.layers import release_float_weights, unpack_panels
+    torch.manual_seed(2)
+    layer = Linear(24, 3 * PANEL + 5, bias=True)
+    reference = layer.weight.detach().clone()
+    x = torch.randn(4, 24)
+    expected = F.linear(x, reference, layer.bias)
+    assert release_float_weights(torch.nn.Sequential(layer)) == 1
+    assert "weight" not in dict(layer.named_parameters()) and "weight_panels" in dict(layer.named_buffers())
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, reference)  # rebuilt from the panels for readers (quantization)
+    assert torch.equal(unpack_panels(pack_panels(reference), reference.shape[0]), reference)
+    assert torch.equal(layer.state_dict()["weight"], reference)  # checkpoints keep the [N, K] layout
+    assert not layer.release_float_weight()  # already released
+    unpacked = Linear(8, 8)
+    unpacked.pack = False
+    assert not unpacked.release_float_weight() and "weight" in dict(unpacked.named_parameters())

@@ -24,6 +24,7 @@ from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budg
 from worker.memory import KVUsage
 from worker.model import cpu_kernels
 from worker.model.config import ModelConfig
+from worker.model.layers import release_float_weights
 from worker.calibrate import load_or_calibrate
 from worker.engine_config import ATTENTION, EngineConfig
 from worker.model.calibration import CalibrationSettings
@@ -122,6 +123,12 @@ class Engine:
             self._quantize()
             # Quantization replaced layer tensors: on_demand's pinned host copies and slots are rebuilt.
             attach_placement(self.model, self.placement_plan)
+        if device.type == "cpu" and config.load_mode != "on_demand":
+            # The weights are final: keep only our kernel's packed copies (on demand, slots copy
+            # from the float host weights; a tied head shares the embedding, which stays).
+            tied = (self.model.lm_head,) if model_config.tie_word_embeddings else ()
+            released = release_float_weights(self.model, keep=tied)
+            log.info("%d float32 linear weights kept only as packed panels", released)
         log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
                  config.block_size)
 

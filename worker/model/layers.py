@@ -42,6 +42,12 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
 
 
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of `pack_panels`: [P, K, 16] -> a new [out_features, K] tensor."""
+    num_panels, in_features, _ = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * PANEL, in_features)[:out_features].contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given: through our kernel when the
@@ -67,11 +73,19 @@ class Linear(nn.Linear):
     """nn.Linear whose forward goes through `linear` above, with its weight packed for our CPU
     kernel on first use. The packed copy is rebuilt whenever the weight changes (new storage or
     an in-place write), and it is not part of the state dict. `pack = False` keeps the plain
-    BLAS path (a weight rewritten before every use, as in an on-demand slot)."""
+    BLAS path (a weight rewritten before every use, as in an on-demand slot).
+
+    `release_float_weight()` then drops the float weight and keeps only the panels (a buffer,
+    `weight_panels`), so serving does not hold every weight twice. Reading `weight` afterwards
+    (quantizing, calibrating) rebuilds a float copy from the panels each time: a read-only view
+    of the values, not storage to write into."""
 
     pack = True
 
     def packed_weight(self) -> torch.Tensor | None:
+        panels = self._buffers.get("weight_panels")
+        if panels is not None:
+            return panels
         weight = self.weight
         cached = self.__dict__.get("_packed")
         key = (weight.data_ptr(), weight._version)  # new storage (even under .data =) or an in-place write
@@ -84,8 +98,40 @@ class Linear(nn.Linear):
         self.__dict__["_packed"] = (weight, key, packed)
         return packed
 
+    def release_float_weight(self) -> bool:
+        """Keep only the packed panels; False (and nothing changed) where this Linear does not pack."""
+        panels = self.packed_weight() if "weight" in self._parameters else None
+        if panels is None:
+            return False
+        del self._parameters["weight"]
+        self.__dict__.pop("_packed", None)
+        self.register_buffer("weight_panels", panels, persistent=False)
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A released layer still saves what a checkpoint holds: the float weight, [N, K].
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if (panels := self._buffers.get("weight_panels")) is not None:
+            destination[prefix + "weight"] = unpack_panels(panels, self.out_features)
+
+    def __getattr__(self, name: str):
+        if name == "weight" and (panels := self._buffers.get("weight_panels")) is not None:
+            return unpack_panels(panels, self.out_features)
+        return super().__getattr__(name)
+
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, out=out, packed=self.packed_weight())
+        panels = self._buffers.get("weight_panels")
+        if panels is None:
+            return linear(x, self.weight, self.bias, out=out, packed=self.packed_weight())
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        cpu_kernels.load().linear_packed(x, panels, out)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def release_float_weights(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
+    """Every packing Linear of `model` but those in `keep` drops its float weight; how many did."""
+    return sum(m.release_float_weight() for m in model.modules() if isinstance(m, Linear) and m not in keep)
 
 
 class RMSNorm(nn.Module):
