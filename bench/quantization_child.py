@@ -9,6 +9,7 @@ heldout (score the model folder's heldout_sample.txt). Writes one JSON record.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import sys
@@ -59,7 +60,10 @@ def measure(spec: dict) -> dict:
     init_s = time.perf_counter() - started
     rss_after_load = _rss_peak_bytes()
     model = engine.model
-    weights = [t for name, t in model.state_dict().items() if not name.startswith("rotary.")]
+    # The tensors the model computes from, as held (a released float Linear holds its packed
+    # panels): state_dict() would rebuild [N, K] copies of those and inflate the peak RSS.
+    held = itertools.chain(model.named_parameters(), model.named_buffers())
+    weights = [t for name, t in held if not name.startswith("rotary.")]
     config = engine.model_config
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * engine.kv_caches[0][0].element_size()
     record = dict(
