@@ -122,3 +122,26 @@ def test_released_linear_keeps_only_panels_and_still_computes_and_reads():
     unpacked = Linear(8, 8)
     unpacked.pack = False
     assert not unpacked.release_float_weight() and "weight" in dict(unpacked.named_parameters())
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
+    # torch's builder waits for as long as its lock file exists; a worker killed while holding
+    # it used to leave every later start waiting at "loading our CPU kernels" forever.
+    import subprocess
+    import sys
+    from pathlib import Path
+    probe = ("import logging, sys; logging.basicConfig(); from worker.model import cpu_kernels as c; "
+             "m = c.load(); sys.exit(0 if m is not None else 1)")
+    # The build folder is the one load() uses in this environment: find it from a first load.
+    out = subprocess.run([sys.executable, "-c", probe.replace("sys.exit(", "print(c._last_build_dir); sys.exit(")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    lock = Path(out.stdout.strip().splitlines()[-1]) / cpu_kernels.TORCH_BUILD_LOCK
+    lock.touch()
+    try:
+        again = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                               cwd=Path(__file__).parent.parent)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert again.returncode == 0, again.stderr
+    assert "left by a process that died" in again.stderr

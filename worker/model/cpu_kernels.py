@@ -1,15 +1,18 @@
 """Our C++ CPU kernels, compiled on first use with torch's extension builder.
 
-Only where they measurably pay (see docs/benchmarks.md): decode attention reading K/V
-through block tables in place. If no compiler is at hand, `load()` returns None and
-callers keep the pure-torch path.
+Only where they measurably pay (see docs/benchmarks.md): the packed-panel and quantized
+linears, decode attention reading K/V through block tables in place, greedy argmax, small
+fused ops. If no compiler is at hand, `load()` returns None and callers keep the pure-torch
+paths. Concurrent first starts (two workers) and starts after a builder was killed are safe.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,6 +21,8 @@ import torch
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
+_last_build_dir: Path | None = None  # where load() built or found the module (tests read it)
+TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
 
 
 @lru_cache(maxsize=1)
@@ -33,13 +38,34 @@ def load():
         env_key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
         build_dir = build_dir / "inference_cluster" / env_key
         build_dir.mkdir(parents=True, exist_ok=True)
+        global _last_build_dir
+        _last_build_dir = build_dir
         log.info("loading our CPU kernels (compiled on first use, about a minute)")
-        return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_dir),
-                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                     verbose=False)
+        with _build_guard(build_dir):
+            return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_dir),
+                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                         verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
         log.warning("CPU kernels unavailable (%s); using the torch attention path", exc)
         return None
+
+
+@contextmanager
+def _build_guard(build_dir: Path):
+    """One of our processes at a time in torch's builder, under a lock the kernel releases if
+    its holder dies. torch's own lock is a plain file: a process killed while building or
+    loading (two workers start together; one is killed) leaves it behind, and every later
+    start would wait on it forever. Holding ours, any such file is stale, and is removed."""
+    with open(build_dir / "inference.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / TORCH_BUILD_LOCK
+        if stale.exists():
+            log.warning("removing %s, left by a process that died while building the CPU kernels", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def for_tensors(*tensors):
