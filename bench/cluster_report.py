@@ -57,7 +57,8 @@ def _f(x, fmt=".2f", none="-"):
 def print_report(results: dict) -> None:
     print("\n" + "=" * 100)
     print(f"model {results['model_dir']}  (vocab {results['vocab']}, context {results['context']}); "
-          f"torch threads {results['threads']}; gateway stream_interval {results.get('stream_interval', 1)}; machine: {results['cpus']} CPUs")
+          f"torch threads {results['threads']}; gateway stream_interval {results.get('stream_interval', 1)}; "
+          f"machine: {results['cpus']} CPUs")
     for phase in results.get("runs", []):
         res: LoadResult = phase
         print()

@@ -242,7 +242,8 @@ def main(argv=None) -> int:
     spec = specs(plan, args.seed)
     busy = wait_for_idle(args.wait_idle)
     results: dict = {"model_dir": str(model_dir), "vocab": vocab, "context": ctx, "threads": args.threads,
-                     "stream_interval": args.stream_interval, "cpus": os.cpu_count(), "plan": plan.__dict__, "busy_before": busy, "runs": [], "all_runs": [],
+                     "stream_interval": args.stream_interval, "cpus": os.cpu_count(), "plan": plan.__dict__,
+                     "busy_before": busy, "runs": [], "all_runs": [],
                      "specs": {}}
     log(f"model {model_dir}; busy before start: {busy or 'none'}")
     capacity = None

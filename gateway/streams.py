@@ -1,10 +1,11 @@
 """One client stream's state: tokens received, text sent, stop strings, timings, its events.
 
 The dispatcher feeds worker deltas in (`on_tokens`); the servicer drains `events` and turns
-them into GenerateResponse messages. With `stream_interval` N > 1, tokens are grouped here, where
-they are produced, so a held token costs no event, no relay wake-up and no message: the first
-token goes at once, then one event per N tokens, or when `hold_s` has passed, or at the end. Tokens already streamed are kept so that a request
-whose worker died can resume elsewhere from exactly that point.
+them into GenerateResponse messages. With `stream_interval` N > 1, tokens are grouped here,
+where they are produced, so a held token costs no event, no relay wake-up and no message: the
+first token goes at once, then one event per N tokens, or when `hold_s` has passed, or at the
+end. Tokens already streamed are kept so that a request whose worker died can resume elsewhere
+from exactly that point.
 """
 from __future__ import annotations
 

@@ -131,12 +131,8 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
     import sys
     from pathlib import Path
     probe = ("import logging, sys; logging.basicConfig(); from worker.model import cpu_kernels as c; "
-             "m = c.load(); sys.exit(0 if m is not None else 1)")
-    # The build folder is the one load() uses in this environment: find it from a first load.
-    out = subprocess.run([sys.executable, "-c", probe.replace("sys.exit(", "print(c._last_build_dir); sys.exit(")],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
-    assert out.returncode == 0, out.stderr
-    lock = Path(out.stdout.strip().splitlines()[-1]) / cpu_kernels.TORCH_BUILD_LOCK
+             "sys.exit(0 if c.load() is not None else 1)")
+    lock = cpu_kernels.build_dir() / cpu_kernels.TORCH_BUILD_LOCK  # the subprocess's folder too: same environment
     lock.touch()
     try:
         again = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,

@@ -21,8 +21,16 @@ import torch
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
-_last_build_dir: Path | None = None  # where load() built or found the module (tests read it)
 TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
+
+
+def build_dir() -> Path:
+    """Where this environment's module is built and cached. One build per environment: torch's
+    builder keys its cache on the include paths, so two virtual environments sharing a folder
+    would rebuild each other's module forever."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    env_key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    return root / "inference_cluster" / env_key
 
 
 @lru_cache(maxsize=1)
@@ -32,17 +40,11 @@ def load():
         return None
     try:
         from torch.utils.cpp_extension import load as build
-        build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-        # One build per environment: torch's builder keys its cache on the include paths, so
-        # two virtual environments sharing a folder would rebuild each other's module forever.
-        env_key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
-        build_dir = build_dir / "inference_cluster" / env_key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        global _last_build_dir
-        _last_build_dir = build_dir
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
         log.info("loading our CPU kernels (compiled on first use, about a minute)")
-        with _build_guard(build_dir):
-            return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_dir),
+        with _build_guard(folder):
+            return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(folder),
                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                          verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works

@@ -86,11 +86,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       const float* q_seq = q_ptr + b * num_heads * head_dim;
       float* out_seq = out_ptr + b * num_heads * head_dim;
       scores.resize(num_heads * len);
+      // The block holding this sequence's token `token`, in the K or V pool.
+      auto block_at = [&](const float* pool, int64_t token) {
+        return pool + table[token / block_size] * block_size * slot_stride;
+      };
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const float* k_block = k_ptr + table[start / block_size] * block_size * slot_stride;
-        const float* k_next = start + block_size < len ? k_ptr + table[start / block_size + 1] * block_size * slot_stride
-                                                       : nullptr;
+        const float* k_block = block_at(k_ptr, start);
+        const float* k_next = start + block_size < len ? block_at(k_ptr, start + block_size) : nullptr;
         for (int64_t i = 0; i < n; ++i) {
           const float* k_slot = k_block + i * slot_stride;
           prefetch_slot(k_next, i, slot_stride);
@@ -109,9 +112,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       std::fill(out_seq, out_seq + num_heads * head_dim, 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
-        const float* v_block = v_ptr + table[start / block_size] * block_size * slot_stride;
-        const float* v_next = start + block_size < len ? v_ptr + table[start / block_size + 1] * block_size * slot_stride
-                                                       : nullptr;
+        const float* v_block = block_at(v_ptr, start);
+        const float* v_next = start + block_size < len ? block_at(v_ptr, start + block_size) : nullptr;
         for (int64_t i = 0; i < n; ++i) {
           const float* v_slot = v_block + i * slot_stride;
           prefetch_slot(v_next, i, slot_stride);
@@ -137,8 +139,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // (K x 64 bytes) stays in L1/L2 while every row tile of x passes over it, so the weight is
 // read from memory once per call whatever the rows. Threads split the panels.
 constexpr int64_t kPanel = 16;
-constexpr int kPanelRows = 6;
-constexpr int64_t kPrefetchMaxRows = 64;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+constexpr int64_t kPrefetchMaxRows = 64;
 
 // With kPrefetch, `next` is the panel this thread takes next. Its k-th 64-byte line is
 // prefetched (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile,
@@ -236,7 +238,8 @@ void linear_packed(torch::Tensor x, torch::Tensor packed, torch::Tensor out) {
 }
 
 // Weight-only quantized small-batch linear: register tiles of kTileM rows of x by kTileN weight
-// rows (dot-product form, the weight in its plain [N, K] layout), with the weight read as int8 (one byte) or packed int4 (half a byte) and widened to float in registers, so a
+// rows (dot-product form, the weight in its plain [N, K] layout), with the weight read as int8
+// (one byte) or packed int4 (half a byte) and widened to float in registers, so a
 // decode step reads 4x or 8x fewer weight bytes than float32. Per output row n:
 //   int8: y = scale[n] * (x . q[n])
 //   int4: y = sum over groups g of scale[n, g] * (x_g . q[n]_g) + zero[n, g] * sum(x_g)
