@@ -1,4 +1,5 @@
-"""Every matmul form `linear` may pick gives F.linear's result, whatever the row count."""
+"""Our CPU kernels against torch: every matmul form `linear` may pick gives F.linear's result
+whatever the row count, and each fused kernel matches the ops it replaces."""
 from __future__ import annotations
 
 import pytest
@@ -82,6 +83,85 @@ def test_gated_mlp_kernel_matches_torch(rows):
     gate, up = mlp.gate_up_proj(x).split(48, dim=-1)
     expected = mlp.down_proj(F.silu(gate) * up)
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_kernel_matches_torch_over_the_whole_range():
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    # 37 columns: vector lanes and the scalar tail; values from where exp underflows to overflow.
+    gate = torch.cat([torch.linspace(-120, 120, 37 * 5).view(5, 37), torch.randn(3, 37) * 4])
+    up = torch.randn_like(gate)
+    out = torch.empty_like(gate)
+    kernels.silu_and_mul(torch.cat([gate, up], dim=1), out)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [
+    (8, 4, 64),  # bench-small
+    (14, 2, 64),  # heads not a multiple of the vector width (Qwen2-0.5B)
+    (32, 8, 128),  # Llama 3 8B
+    (4, 4, 12),  # head_dim not a multiple of 8: the portable path
+])
+def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim):
+    from worker.model.attention import AttentionMetadata, paged_attention_reference
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(num_heads * head_dim)
+    block_size, lens = 16, [1, 7, 16, 17, 100, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks
+    tables = []
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(free[:count])
+        free = free[count:]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             seq_lens=torch.tensor(lens), query_lens=[1] * len(lens),
+                             context_lens=[n - 1 for n in lens], num_decodes=len(lens))
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g) * 2
+    scale = head_dim ** -0.5
+    ours = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    expected = paged_attention_reference(q, None, None, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])  # vector lanes; a half (10) with a scalar tail
+def test_rotary_and_kv_write_kernel_matches_the_torch_ops(head_dim):
+    from worker.model.attention import write_kv
+    from worker.model.layers import apply_rotary
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 21, 6, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(40, generator=g)[:tokens]
+    slots[3] = -1  # a padding token: rotated, never written
+    pools = [torch.zeros(10, 4, kv_heads, head_dim) for _ in range(4)]
+
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    rotated = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    k = rotated[:, heads:]
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    real = slots >= 0
+    write_kv(pools[0], pools[1], k[real], v[real], slots[real])
+
+    ours = qkv.clone()
+    kernels.rotary_and_write_kv(ours, cos, sin, slots, pools[2], pools[3], heads)
+    torch.testing.assert_close(ours[:, :(heads + kv_heads) * head_dim], rotated.reshape(tokens, -1))
+    torch.testing.assert_close(ours[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+    torch.testing.assert_close(pools[2], pools[0])
+    torch.testing.assert_close(pools[3], pools[1])
+    with pytest.raises(RuntimeError, match="beyond the pool"):
+        kernels.rotary_and_write_kv(qkv.clone(), cos, sin, slots + 40, pools[2], pools[3], heads)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 8, 37, 32000])

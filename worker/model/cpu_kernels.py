@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_SOURCE_DIR = Path(__file__).with_name("csrc")
+_SOURCES = ("bindings.cpp", "attention.cpp", "linear.cpp", "pointwise.cpp", "rotary.cpp")
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
 TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
 
@@ -44,12 +45,22 @@ def load():
         folder.mkdir(parents=True, exist_ok=True)
         log.info("loading our CPU kernels (compiled on first use, about a minute)")
         with _build_guard(folder):
-            return build(name="inference_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(folder),
-                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                         verbose=False)
+            return build(name="inference_cpu_kernels", sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
+                         build_directory=str(folder),
+                         extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKERNEL_SOURCES={_sources_hash()}"],
+                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
         log.warning("CPU kernels unavailable (%s); using the torch attention path", exc)
         return None
+
+
+def _sources_hash() -> str:
+    """A digest of every file in csrc/, headers included: torch's builder rebuilds when its build
+    arguments change, and only hashes the .cpp files itself."""
+    digest = hashlib.sha1()
+    for path in sorted(_SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @contextmanager

@@ -19,11 +19,10 @@ from worker.model.config import RopeConfig
 # on a par at 512, and at memory bandwidth for one row. Without them (no compiler, another
 # device), BLAS, which does better computing (W x^T)^T than x W^T at 32..96 rows for layer
 # weights and at up to 64 rows for a very wide one (the LM head).
-PANEL = 16  # output features per packed panel (kPanel in cpu_kernels.cpp)
+PANEL = 16  # output features per packed panel (kPanel in csrc/linear.cpp)
 WIDE_WEIGHT_RATIO = 8  # out_features / in_features at which a weight counts as wide
 WIDE_WEIGHT_TRANSPOSED_MAX_ROWS = 64
 TRANSPOSED_ROWS = range(32, 97)
-SILU_KERNEL_MAX_ROWS = 4
 
 
 def _transposed_is_faster(rows: int, weight: torch.Tensor) -> bool:
@@ -222,10 +221,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        # Our one-pass kernel pays at decode sizes; beyond a few rows torch's vectorised exp wins
-        # (16 rows: 0.13 vs 0.07 ms, 512 rows: 2.7 vs 0.7 ms at bench-small's width).
-        rows = gate_up.numel() // gate_up.shape[-1]
-        if rows <= SILU_KERNEL_MAX_ROWS and (kernels := cpu_kernels.for_tensors(gate_up)) is not None:
+        # One pass with a vectorised exp: 3-8x torch's silu + mul from 1 to 512 rows.
+        if (kernels := cpu_kernels.for_tensors(gate_up)) is not None:
             hidden = torch.empty(*gate_up.shape[:-1], self.intermediate_size)
             kernels.silu_and_mul(gate_up.contiguous(), hidden)
         else:

@@ -1,0 +1,25 @@
+// The kernels the extension exports (bindings.cpp), each defined in the file named beside it.
+// All float32 on the CPU; the Python side (worker/model/cpu_kernels.py) falls back to torch
+// for anything else.
+#pragma once
+
+#include <ATen/ATen.h>
+
+// attention.cpp
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale);
+
+// rotary.cpp
+void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                         at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads);
+
+// linear.cpp
+void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out);
+void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out);
+void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
+                             int64_t group_size, at::Tensor out);
+
+// pointwise.cpp
+at::Tensor argmax_rows(at::Tensor logits);
+void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out);
+void silu_and_mul(at::Tensor gate_up, at::Tensor out);

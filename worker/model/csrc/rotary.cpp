@@ -1,0 +1,75 @@
+// Rotary position embedding applied in place to q and k inside the fused qkv projection, and
+// the step's K/V written to their cache slots, in one pass over the tokens (torch takes a
+// dozen small ops for the same: four per rotation, two index copies, temporaries).
+#include "kernels.h"
+#include "vector_math.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace {
+
+// x [D] in the half-split ("rotate_half") layout of Hugging Face Llama checkpoints:
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in place.
+inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
+  float* x2 = x + half;
+  int64_t i = 0;
+#ifdef HAVE_AVX2_FMA
+  for (; i + kLanes <= half; i += kLanes) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x2 + i);
+    const __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+    _mm256_storeu_ps(x + i, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
+    _mm256_storeu_ps(x2 + i, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float a = x[i], b = x2[i];
+    x[i] = a * cos[i] - b * sin[i];
+    x2[i] = b * cos[i] + a * sin[i];
+  }
+}
+
+}  // namespace
+
+// qkv [T, (H + 2 Hkv) D] contiguous (q heads, then k heads, then v heads); cos, sin [T, D/2];
+// slot_mapping [T] int64 (a negative slot is not written); k_cache, v_cache [N, S, Hkv, D].
+void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                         at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads) {
+  TORCH_CHECK(qkv.dtype() == at::kFloat && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat &&
+              k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat, "float32 only");
+  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous qkv and pools");
+  TORCH_CHECK(slot_mapping.dtype() == at::kLong, "int64 slot mapping");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t half = head_dim / 2, kv_floats = num_kv_heads * head_dim;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && cos.size(0) == tokens &&
+              cos.size(-1) == half && sin.sizes() == cos.sizes() && slot_mapping.size(0) == tokens,
+              "qkv [T, (H + 2 Hkv) D], cos and sin [T, D/2], slot_mapping [T]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  float* qkv_ptr = qkv.data_ptr<float>();
+  const float* cos_ptr = cos.data_ptr<float>();
+  const float* sin_ptr = sin.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  float* k_pool = k_cache.data_ptr<float>();
+  float* v_pool = v_cache.data_ptr<float>();
+  const int64_t row = qkv.size(1);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " beyond the pool's ", num_slots);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* q = qkv_ptr + t * row;
+      float* k = q + num_heads * head_dim;
+      const float* v = k + kv_floats;
+      const float* c = cos_ptr + t * half;
+      const float* s = sin_ptr + t * half;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate(q + h * head_dim, c, s, half);
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      std::memcpy(k_pool + slot * kv_floats, k, kv_floats * sizeof(float));
+      std::memcpy(v_pool + slot * kv_floats, v, kv_floats * sizeof(float));
+    }
+  });
+}
