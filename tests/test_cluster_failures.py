@@ -34,9 +34,9 @@ def run_streams(cluster, requests: dict[str, dict], results: dict) -> list[threa
 
 def test_kill_9_of_a_worker_mid_stream_resumes_every_stream_elsewhere(served_checkpoint):
     requests = {f"greedy-{i}": dict(prompt_token_ids=[5 + i, 6, 7, 8], sampling=dict(
-        max_tokens=160, temperature=0.0, ignore_eos=True)) for i in range(4)}
+        max_tokens=400, temperature=0.0, ignore_eos=True)) for i in range(4)}  # long enough to be cut
     requests.update({f"seeded-{i}": dict(prompt_token_ids=[9, 10 + i], sampling=dict(
-        max_tokens=160, temperature=1.0, seed=100 + i, ignore_eos=True)) for i in range(4)})
+        max_tokens=400, temperature=1.0, seed=100 + i, ignore_eos=True)) for i in range(4)})
     with Cluster(served_checkpoint, num_workers=2, supervised=True) as cluster:
         reference: dict = {}
         for t in run_streams(cluster, requests, reference):
@@ -95,8 +95,10 @@ def test_streams_end_unavailable_when_no_worker_is_left(served_checkpoint):
 def test_sigterm_drains_the_gateway(served_checkpoint):
     with Cluster(served_checkpoint, num_workers=1, sections={"gateway": {"drain_grace_s": 60.0}}) as cluster:
         results: dict = {}
+        # As long as the tiny model's context allows, so the streams are still running when the probe
+        # below arrives (200 tokens could all be out within the probe's 0.2 s on a fast engine).
         threads = run_streams(cluster, {f"s{i}": dict(prompt_token_ids=[5, i + 6], sampling=dict(
-            max_tokens=200, temperature=0.0, ignore_eos=True)) for i in range(3)}, results)
+            max_tokens=480, temperature=0.0, ignore_eos=True)) for i in range(3)}, results)
         deadline = time.monotonic() + 30
         while cluster.status().workers[0].num_running < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -110,7 +112,7 @@ def test_sigterm_drains_the_gateway(served_checkpoint):
             t.join(timeout=60)
         for name, got in results.items():
             assert not isinstance(got, Exception), (name, got)
-            assert len(got[0]) == 200 and got[2].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+            assert len(got[0]) == 480 and got[2].finish_reason == inference_pb2.FINISH_REASON_LENGTH
         assert gateway.wait(timeout=30) == 0
 
 

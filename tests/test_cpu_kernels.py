@@ -74,6 +74,27 @@ def test_rms_norm_kernel_matches_the_formula(shape):
     torch.testing.assert_close(norm(x.transpose(0, -2)), expected.transpose(0, -2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_add_then_norm_updates_the_residual_and_norms_the_sum(kernels_on, monkeypatch):
+    from worker.model.layers import RMSNorm
+    if not kernels_on:
+        monkeypatch.setattr(cpu_kernels, "for_tensors", lambda *tensors: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(72, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(72, generator=g))
+    x, delta = torch.randn(37, 72, generator=g), torch.randn(37, 72, generator=g)
+    total = x + delta
+    expected = norm.weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6))
+    before = delta.clone()
+    normed = norm.add_then_norm(x, delta)
+    torch.testing.assert_close(x, total)  # the residual stream, updated in place
+    torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(delta, before)
+
+
 @pytest.mark.parametrize("rows", [1, 40])
 def test_gated_mlp_kernel_matches_torch(rows):
     from worker.model.layers import GatedMLP
@@ -97,6 +118,29 @@ def test_silu_and_mul_kernel_matches_torch_over_the_whole_range():
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
+def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+    """Random pools, scattered block tables and q for one step (decodes first), K/V already written."""
+    from worker.model.attention import AttentionMetadata
+    g = torch.Generator().manual_seed(seed)
+    lens = [q + c for q, c in zip(query_lens, context_lens)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(free[:count])
+        free = free[count:]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             seq_lens=torch.tensor(lens), query_lens=list(query_lens),
+                             context_lens=list(context_lens), num_decodes=sum(1 for q in query_lens if q == 1))
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g) * 2
+    return q, k_cache, v_cache, meta
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [
     (8, 4, 64),  # bench-small
     (14, 2, 64),  # heads not a multiple of the vector width (Qwen2-0.5B)
@@ -104,64 +148,40 @@ def test_silu_and_mul_kernel_matches_torch_over_the_whole_range():
     (4, 4, 12),  # head_dim not a multiple of 8: the portable path
 ])
 def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim):
-    from worker.model.attention import AttentionMetadata, paged_attention_reference
+    from worker.model.attention import paged_attention_reference
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    g = torch.Generator().manual_seed(num_heads * head_dim)
-    block_size, lens = 16, [1, 7, 16, 17, 100, 300]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered blocks
-    tables = []
-    for n in lens:
-        count = -(-n // block_size)
-        tables.append(free[:count])
-        free = free[count:]
-    width = max(map(len, tables))
-    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             seq_lens=torch.tensor(lens), query_lens=[1] * len(lens),
-                             context_lens=[n - 1 for n in lens], num_decodes=len(lens))
-    q = torch.randn(len(lens), num_heads, head_dim, generator=g) * 2
+    lens = [1, 7, 16, 17, 100, 300]
+    q, k_cache, v_cache, meta = _paged_step([1] * len(lens), [n - 1 for n in lens], num_heads, num_kv_heads,
+                                            head_dim, seed=num_heads * head_dim)
     scale = head_dim ** -0.5
     ours = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     expected = paged_attention_reference(q, None, None, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 20])  # vector lanes; a half (10) with a scalar tail
-def test_rotary_and_kv_write_kernel_matches_the_torch_ops(head_dim):
-    from worker.model.attention import write_kv
-    from worker.model.layers import apply_rotary
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 4, 64), (14, 2, 64), (32, 8, 128), (6, 6, 80)])
+def test_prefill_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim):
+    from worker.model.attention import paged_attention_reference
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    g = torch.Generator().manual_seed(head_dim)
-    tokens, heads, kv_heads = 21, 6, 2
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
-    angles = torch.rand(tokens, head_dim // 2, generator=g) * 100
-    cos, sin = angles.cos(), angles.sin()
-    slots = torch.randperm(40, generator=g)[:tokens]
-    slots[3] = -1  # a padding token: rotated, never written
-    pools = [torch.zeros(10, 4, kv_heads, head_dim) for _ in range(4)]
-
-    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
-    rotated = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
-    k = rotated[:, heads:]
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
-    real = slots >= 0
-    write_kv(pools[0], pools[1], k[real], v[real], slots[real])
-
-    ours = qkv.clone()
-    kernels.rotary_and_write_kv(ours, cos, sin, slots, pools[2], pools[3], heads)
-    torch.testing.assert_close(ours[:, :(heads + kv_heads) * head_dim], rotated.reshape(tokens, -1))
-    torch.testing.assert_close(ours[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
-    torch.testing.assert_close(pools[2], pools[0])
-    torch.testing.assert_close(pools[3], pools[1])
-    with pytest.raises(RuntimeError, match="beyond the pool"):
-        kernels.rotary_and_write_kv(qkv.clone(), cos, sin, slots + 40, pools[2], pools[3], heads)
+    assert kernels.prefill_attention_supported(head_dim) and not kernels.prefill_attention_supported(24)
+    # fresh prompts, chunks after cached context (block-aligned or not), one-token chunks, long ones
+    query_lens, context_lens = [1, 5, 37, 16, 1, 130, 3], [0, 0, 0, 16, 40, 21, 300]
+    q, k_cache, v_cache, meta = _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim,
+                                            seed=head_dim)
+    meta.num_decodes = 0  # every sequence as a prompt chunk, the 1-token ones included
+    scale = head_dim ** -0.5
+    starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
+    wide = torch.randn(q.shape[0], num_heads + 3, head_dim)  # q as a strided view, as inside qkv
+    wide[:, :num_heads] = q
+    ours = torch.full_like(q, float("nan"))
+    kernels.paged_prefill_attention(wide[:, :num_heads], k_cache, v_cache, meta.block_tables, meta.seq_lens, starts,
+                                    scale, ours)
+    expected = paged_attention_reference(q, None, None, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 8, 37, 32000])

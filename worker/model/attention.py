@@ -86,19 +86,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Fast path, same result as the reference. q [T, H, D]; k, v [T, Hkv, D] (this step's).
 
-    Decodes run in our C++ kernel where it applies (float32 on the CPU: K/V read in place
-    through the tables); otherwise as batched SDPA over K/V gathered from their blocks,
-    the query heads of one KV head laid out as SDPA's query axis so grouped-query
-    attention needs no K/V copy per head. A prompt chunk with nothing cached attends to its own fresh
-    K/V (causal, no gather); a chunk after cached context gathers its context.
+    Where our C++ kernels apply (float32 on the CPU), decodes and then all prompt chunks run in
+    one kernel call each, K/V read in place through the tables. Otherwise decodes run as batched
+    SDPA over K/V gathered from their blocks, the query heads of one KV head laid out as SDPA's
+    query axis so grouped-query attention needs no K/V copy per head; a prompt chunk with nothing
+    cached attends to its own fresh K/V (causal, no gather), a chunk after cached context gathers
+    its context.
     """
     num_decodes = meta.num_decodes
-    kernels = _cpu_kernels(q, k_cache, v_cache) if num_decodes else None
+    kernels = _cpu_kernels(q, k_cache, v_cache)
     if kernels is not None and num_decodes == q.shape[0]:  # a decode-only step: the kernel's output is all of it
         return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:num_decodes],
                                               meta.seq_lens[:num_decodes], scale)
-    out = torch.empty_like(q)
-    if kernels is not None:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if kernels is not None and num_decodes:
         out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                                            meta.block_tables[:num_decodes],
                                                            meta.seq_lens[:num_decodes], scale)
@@ -110,6 +111,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         max_len = max(meta.context_lens[start:end]) + 1
         out[start:end] = _decode_attention(q[start:end], k_cache, v_cache, meta.block_tables[start:end],
                                            meta.seq_lens[start:end], max_len, scale)
+    if num_decodes == meta.num_seqs:
+        return out
+    if kernels is not None and kernels.prefill_attention_supported(q.shape[2]):
+        # Every prompt chunk in one call, K/V read in place (this step's are already written).
+        starts = [0]
+        for q_len in meta.query_lens[num_decodes:]:
+            starts.append(starts[-1] + q_len)
+        kernels.paged_prefill_attention(q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:],
+                                        meta.seq_lens[num_decodes:], torch.tensor(starts), scale,
+                                        out[num_decodes:])
+        return out
     start = num_decodes
     for b in range(num_decodes, meta.num_seqs):
         q_len, ctx_len = meta.query_lens[b], meta.context_lens[b]

@@ -122,10 +122,12 @@ class Linear(nn.Linear):
         panels = self._buffers.get("weight_panels")
         if panels is None:
             return linear(x, self.weight, self.bias, out=out, packed=self.packed_weight())
+        # The released path runs ~30 times a decode step: plain dict lookups, no property reads.
         if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            out = x.new_empty((x.shape[0], self.out_features))
         cpu_kernels.load().linear_packed(x, panels, out)
-        return out if self.bias is None else out.add_(self.bias)
+        bias = self._parameters["bias"]
+        return out if bias is None else out.add_(bias)
 
 
 def release_float_weights(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
@@ -149,6 +151,15 @@ class RMSNorm(nn.Module):
         # (the order Hugging Face uses, so half-precision outputs agree bit for bit).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_then_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x += delta in place (the residual stream), then the norm of the sum: one pass on the CPU."""
+        if (x.is_contiguous() and delta.is_contiguous()
+                and (kernels := cpu_kernels.for_tensors(x, delta, self.weight)) is not None):
+            out = torch.empty_like(x)
+            kernels.add_rms_norm(x, delta, self.weight, self.eps, out)
+            return out
+        return self(x.add_(delta))
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

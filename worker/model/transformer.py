@@ -81,8 +81,11 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, x, rope, kv_cache, meta, attention_fn):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, attention_fn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The sublayers' outputs are fresh tensors, so the residual adds go into them in place
+        # (the caller's x is left as it was).
+        residual = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, attention_fn)
+        normed = self.post_attention_layernorm.add_then_norm(residual, x)  # residual = x + attention
+        return self.mlp(normed).add_(residual)
 
 
 class Transformer(nn.Module):

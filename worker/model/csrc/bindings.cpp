@@ -5,10 +5,14 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "whether the prefill kernel takes this head_dim");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prompt chunks over their cached context, K/V read through the block tables (CPU, float32)");
   m.def("rotary_and_write_kv", &rotary_and_write_kv,
         "rotary embedding on q and k in place in qkv, K/V written to their slots (CPU, float32)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (CPU, float32)");
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
   m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels (CPU, float32)");
   m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");

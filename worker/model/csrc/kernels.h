@@ -5,9 +5,14 @@
 
 #include <ATen/ATen.h>
 
-// attention.cpp
+// decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale);
+
+// prefill_attention.cpp
+bool prefill_attention_supported(int64_t head_dim);
+void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                             at::Tensor seq_lens, at::Tensor query_starts, double scale, at::Tensor out);
 
 // rotary.cpp
 void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
@@ -22,4 +27,5 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
 // pointwise.cpp
 at::Tensor argmax_rows(at::Tensor logits);
 void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out);
+void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps, at::Tensor out);
 void silu_and_mul(at::Tensor gate_up, at::Tensor out);

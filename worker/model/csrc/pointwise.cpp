@@ -59,21 +59,54 @@ at::Tensor argmax_rows(at::Tensor logits) {
   return out;
 }
 
+namespace {
+
+inline void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
+  TORCH_CHECK(x.dtype() == at::kFloat && weight.dtype() == at::kFloat && out.dtype() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous tensors only");
+  TORCH_CHECK(out.sizes() == x.sizes() && weight.numel() == x.size(-1), "out like x, weight [D]");
+}
+
+// One row: o = w * row / sqrt(mean(row^2) + eps).
+inline void normalise_row(const float* row, const float* w, float* o, int64_t dim, float eps) {
+  const float inv = 1.f / std::sqrt(dot(row, row, dim) / dim + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) o[d] = w[d] * (row[d] * inv);
+}
+
+}  // namespace
+
 // out = weight * x / sqrt(mean(x^2) + eps), row by row; x, out [M, D] contiguous.
 void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out) {
-  TORCH_CHECK(x.dtype() == at::kFloat && weight.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "contiguous tensors only");
+  check_norm_args(x, weight, out);
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      normalise_row(x_ptr + r * dim, w_ptr, out_ptr + r * dim, dim, static_cast<float>(eps));
+  });
+}
+
+// The decoder's residual step: x += delta in place, then out = RMSNorm(x), in one pass over
+// each row (torch reads and writes x twice).
+void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps, at::Tensor out) {
+  check_norm_args(x, weight, out);
+  TORCH_CHECK(delta.dtype() == at::kFloat && delta.is_contiguous() && delta.sizes() == x.sizes(),
+              "delta: contiguous float32, shaped like x");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  float* x_ptr = x.data_ptr<float>();
+  const float* d_ptr = delta.data_ptr<float>();
+  const float* w_ptr = weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = x_ptr + r * dim;
-      float* o = out_ptr + r * dim;
-      const float inv = 1.f / std::sqrt(dot(row, row, dim) / dim + static_cast<float>(eps));
+      float* row = x_ptr + r * dim;
+      const float* add = d_ptr + r * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) o[d] = w_ptr[d] * (row[d] * inv);
+      for (int64_t d = 0; d < dim; ++d) row[d] += add[d];
+      normalise_row(row, w_ptr, out_ptr + r * dim, dim, static_cast<float>(eps));
     }
   });
 }
