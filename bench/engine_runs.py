@@ -65,15 +65,40 @@ def run_throughput(engine, requests: list[Request], warmup: list[Request], timed
     return RunResult("our engine", wall, useful, outputs, notes)
 
 
-def run_throughput_median(engine, requests: list[Request], warmup: list[Request], repeats: int,
-                          timed: Timed = nullcontext) -> RunResult:
-    """(c) `repeats` times over; the run with the median wall time. Our run takes ~15 s where the
-    baselines take minutes, so it alone can afford repeats, and on a shared VM one run's time moves
-    by 10% either way with the neighbours."""
-    runs = [run_throughput(engine, requests, warmup, timed) for _ in range(max(1, repeats))]
-    median = sorted(runs, key=lambda r: r.wall_s)[len(runs) // 2]
-    if len(runs) > 1:
-        median.notes.append("median of %d runs: %s s" % (len(runs), " / ".join(f"{r.wall_s:.2f}" for r in runs)))
+@dataclass
+class PairedRun:
+    """One (c) run and the machine's matmul rate measured just before and just after it."""
+    run: RunResult
+    gflops: float  # the better of the two
+
+    def compute_bound_fraction(self, flops: float) -> float:
+        return flops / (self.gflops * 1e9) / self.run.wall_s
+
+
+def run_throughput_paired(engine, requests: list[Request], warmup: list[Request], repeats: int,
+                          measure_gflops, timed: Timed = nullcontext) -> list[PairedRun]:
+    """(c) `repeats` times over, each run between two measurements of the matmul rate.
+
+    On this shared VM the matmul rate moves by a third over minutes (116-167 GFLOP/s in one
+    session) and the engine with it, so a run's fraction of the compute bound is taken against
+    the rate measured around that run, not against a lucky moment minutes away. Our run takes
+    ~15 s where the baselines take minutes, so it alone can afford the repeats."""
+    paired = []
+    for _ in range(max(1, repeats)):
+        before = measure_gflops()
+        run = run_throughput(engine, requests, warmup, timed)
+        paired.append(PairedRun(run, max(before, measure_gflops())))
+    return paired
+
+
+def median_run(paired: list[PairedRun], flops: float) -> PairedRun:
+    """The run with the median fraction of the compute bound, noting every run."""
+    ranked = sorted(paired, key=lambda p: p.compute_bound_fraction(flops))
+    median = ranked[len(ranked) // 2]
+    if len(paired) > 1:
+        median.run.notes.append("median of %d runs, each against the matmul rate measured around it: %s" % (
+            len(paired), "; ".join(f"{p.run.wall_s:.2f} s at {p.gflops:.1f} GFLOP/s = "
+                                   f"{p.compute_bound_fraction(flops):.1%}" for p in paired)))
     return median
 
 

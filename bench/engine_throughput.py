@@ -186,15 +186,19 @@ def main(argv=None) -> int:
     from bench import engine_runs as ours
 
     engine = _try("engine load", errors, lambda: ours.load_engine(model_dir, settings))
-    mine = our_decode = kv = None
+    mine = our_decode = kv = ours_gflops = None
     if engine is not None:
         log("(c) our engine: throughput")
         def engine_runs():
             load.pop("ours", None)  # this attempt's repeats only
-            return ours.run_throughput_median(engine, requests, warmup, args.engine_repeats,
+            return ours.run_throughput_paired(engine, requests, warmup, args.engine_repeats,
+                                              lambda: hw.measure_matmul_gflops()["gflops"],
                                               timed=partial(_worst_load, load, "ours"))
 
-        mine = _measure("(c) engine throughput", "ours", engine_runs, errors, load, args.retries)
+        paired = _measure("(c) engine throughput", "ours", engine_runs, errors, load, args.retries)
+        if paired:
+            chosen = ours.median_run(paired, hw.workload_flops(shape, lengths)["total"])
+            mine, ours_gflops = chosen.run, chosen.gflops
         log("our engine: batch-1 decode rate")
         our_decode = _measure("engine decode", "ours_decode", lambda: _loaded(
             load, "ours_decode", lambda: measure_decode_rate(partial(ours.engine_decode_seconds, engine),
@@ -215,9 +219,11 @@ def main(argv=None) -> int:
     decode_bytes = hw.decode_bytes_per_token(shape)
     decode_bound_tps = copy_gbps * 1e9 / decode_bytes
 
+    # (c) against the rate measured around its own runs (see engine_runs.run_throughput_paired).
+    ours_bound_s = flops["total"] / (ours_gflops * 1e9) if ours_gflops else compute_bound_s
     results = collect(args, shape, spec, lengths, settings, hf_cb_tokens, mm, copy_gbps, flops, compute_bound_s,
                       decode_bytes, decode_bound_tps, static, cb, mine, hf_decode, our_decode, kv, errors,
-                      busy_before, busy_after, load, bounds_rounds, time.perf_counter() - t_start)
+                      busy_before, busy_after, load, bounds_rounds, time.perf_counter() - t_start, ours_bound_s)
     print_report(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -240,8 +246,9 @@ def _ratio(x, y):
 
 def collect(args, shape, spec, lengths, settings, hf_cb_tokens, mm, copy_gbps, flops, compute_bound_s, decode_bytes,
             decode_bound_tps, static, cb, mine, hf_decode, our_decode, kv: KVUsage | None, errors, busy_before,
-            busy_after, load, bounds_rounds, total_s) -> dict:
-    a, b, c = (_system(r, compute_bound_s) for r in (static, cb, mine))
+            busy_after, load, bounds_rounds, total_s, ours_bound_s: float) -> dict:
+    a, b = (_system(r, compute_bound_s) for r in (static, cb))
+    c = _system(mine, ours_bound_s)
     engine_missing = errors.get("engine load") or errors.get("(c) engine throughput")
     why_missing = {"hf_static": "skipped" if args.skip_hf_static else errors.get("(a) HF static generate"),
                    "hf_continuous_batching": "skipped" if args.skip_hf_cb else
@@ -273,7 +280,7 @@ def collect(args, shape, spec, lengths, settings, hf_cb_tokens, mm, copy_gbps, f
         "hardware": {"matmul_gflops": mm["gflops"], "matmul_per_shape_gflops": mm["per_shape_gflops"],
                      "copy_gbps": copy_gbps, "rounds": bounds_rounds, "busy_other_processes_before": busy_before,
                      "busy_other_processes_after": busy_after, "foreign_cpu_share_by_phase": load},
-        "bounds": {"workload_flops": flops, "compute_bound_s": compute_bound_s,
+        "bounds": {"workload_flops": flops, "compute_bound_s": compute_bound_s, "ours_compute_bound_s": ours_bound_s,
                    "decode_bytes_per_token": decode_bytes, "decode_bound_tokens_per_s": decode_bound_tps},
         "systems": {"hf_static": a, "hf_continuous_batching": b, "ours": c},
         "why_missing": {k: v for k, v in why_missing.items() if v},

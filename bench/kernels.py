@@ -2,8 +2,8 @@
 
 Shows whether the packed-panel linear kernel pays over BLAS at every row count (it is the
 float32 path of `worker.model.layers.Linear` whenever the kernels build), which BLAS form
-to use without it, and whether the paged decode-attention kernel pays over SDPA on
-gathered K/V. Prints ratios measured in this process, side by side.
+to use without it, and whether the paged decode and prefill attention kernels pay over SDPA
+on gathered K/V. Prints ratios measured in this process, side by side.
 """
 from __future__ import annotations
 
@@ -91,12 +91,11 @@ def bench_quantized_linear(repeats: int) -> None:
         print(f"  [{n}x{k}] " + "   ".join(cells))
 
 
-def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size: int = 16) -> None:
-    rng = random.Random(0)
-    num_blocks, num_kv_heads, head_dim, num_heads = 1200, 4, 64, 8
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache = torch.randn_like(k_cache)
-    lens = sorted((rng.randint(64, 768) for _ in range(num_seqs)), reverse=True)
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64  # bench-small's attention
+
+
+def _scattered_tables(lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
+    """One block table per sequence over randomly scattered blocks, padded with block 0."""
     free = torch.randperm(num_blocks).tolist()
     tables = []
     for length in lens:
@@ -104,9 +103,21 @@ def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size
         tables.append(free[:n])
         free = free[n:]
     width = max(map(len, tables))
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def _pools(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    return k_cache, torch.randn_like(k_cache)
+
+
+def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size: int = 16) -> None:
+    rng = random.Random(0)
+    k_cache, v_cache = _pools(1200, block_size)
+    lens = sorted((rng.randint(64, 768) for _ in range(num_seqs)), reverse=True)
+    block_tables = _scattered_tables(lens, block_size, k_cache.shape[0])
     seq_lens = torch.tensor(lens)
-    q = torch.randn(num_seqs, num_heads, head_dim)
+    q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM)
 
     def grouped_sdpa():
         for s in range(0, num_seqs, 8):
@@ -117,6 +128,41 @@ def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size
                     repeats)
     print(f"decode attention, {num_seqs} sequences of 64..768 tokens: SDPA over gathered K/V {ref:.2f} ms, "
           f"our kernel {ours:.2f} ms ({ref / ours:.2f}x)")
+
+
+# Prompt-chunk steps as the engine's 512-token budget makes them: (new tokens, cached context) per sequence.
+PREFILL_STEPS = [[(512, 0)], [(256, 0), (256, 0)], [(200, 300), (312, 0)], [(64, 448)]]
+
+
+def bench_prefill_attention(repeats: int, block_size: int = 16) -> None:
+    """Our prefill kernel against the torch path (SDPA per chunk over gathered context), through
+    paged_attention itself, so both sides include what the engine runs around them."""
+    from worker.model import attention
+    from worker.model.attention import AttentionMetadata
+    print("prefill attention, one step's prompt chunks (new tokens + cached context), median ms "
+          "(torch SDPA path / our kernel, ratio > 1 means ours is faster)")
+    cells = []
+    for chunks in PREFILL_STEPS:
+        lens = [n + c for n, c in chunks]
+        k_cache, v_cache = _pools(sum(-(-n // block_size) for n in lens) + 1, block_size)
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                                 block_tables=_scattered_tables(lens, block_size, k_cache.shape[0]),
+                                 seq_lens=torch.tensor(lens), query_lens=[n for n, _ in chunks],
+                                 context_lens=[c for _, c in chunks], num_decodes=0)
+        tokens = sum(meta.query_lens)
+        q = torch.randn(tokens, NUM_HEADS, HEAD_DIM)
+        k, v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM), torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM)
+        run = lambda: attention.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)  # noqa: E731
+        ours = timed_ms(run, repeats)
+        with_kernels = attention._cpu_kernels
+        attention._cpu_kernels = lambda *tensors: None
+        try:
+            ref = timed_ms(run, repeats)
+        finally:
+            attention._cpu_kernels = with_kernels
+        label = " + ".join(f"{n}" + (f"@{c}" if c else "") for n, c in chunks)
+        cells.append(f"{label}: {ref:.2f}/{ours:.2f} ({ref / ours:.2f}x)")
+    print("  " + "   ".join(cells))
 
 
 def main() -> None:
@@ -134,6 +180,7 @@ def main() -> None:
     bench_linear(kernels, args.repeats)
     bench_transposed_form(args.repeats)
     bench_decode_attention(kernels, args.repeats)
+    bench_prefill_attention(args.repeats)
     bench_quantized_linear(args.repeats)
 
 
