@@ -98,7 +98,7 @@ void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
   const bool prefetch = rows <= kPrefetchMaxRows;
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, packed.size(0), grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = p_ptr + p * in_features * kPanel;
       const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);

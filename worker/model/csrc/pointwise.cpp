@@ -83,7 +83,7 @@ void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out) {
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(2 * dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       normalise_row(x_ptr + r * dim, w_ptr, out_ptr + r * dim, dim, static_cast<float>(eps));
   });
@@ -100,7 +100,7 @@ void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps,
   const float* d_ptr = delta.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(3 * dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = x_ptr + r * dim;
       const float* add = d_ptr + r * dim;
@@ -118,7 +118,7 @@ void silu_and_mul(at::Tensor gate_up, at::Tensor out) {
   const int64_t width = out.size(-1), rows = out.numel() / width;
   const float* in_ptr = gate_up.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(8 * width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = in_ptr + r * 2 * width;
       const float* up = gate + width;

@@ -58,7 +58,7 @@ void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Ten
   const int64_t row = qkv.size(1);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " beyond the pool's ", num_slots);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_for(row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* q = qkv_ptr + t * row;
       float* k = q + num_heads * head_dim;

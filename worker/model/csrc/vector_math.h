@@ -11,6 +11,16 @@
 
 constexpr int64_t kLanes = 8;  // one AVX2 register of float32
 
+// Below about this many float operations a loop runs on the calling thread: waking the other
+// threads costs microseconds, and every parallel region is a point where all of them wait for
+// the slowest (one descheduled by a neighbour process stalls the step).
+constexpr int64_t kMinParallelWork = 32768;
+
+// at::parallel_for's grain (iterations per chunk) for iterations of `work_per_item` operations.
+inline int64_t grain_for(int64_t work_per_item) {
+  return work_per_item <= 0 ? 1 : (kMinParallelWork + work_per_item - 1) / work_per_item;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
