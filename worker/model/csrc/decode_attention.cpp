@@ -167,7 +167,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* out_ptr = out.data_ptr<float>();
-  bool vectorised = false;
+  [[maybe_unused]] bool vectorised = false;
 #ifdef HAVE_AVX2_FMA
   vectorised = head_dim % kLanes == 0;
 #endif

@@ -14,7 +14,6 @@ constexpr int64_t kTileM = 3;  // rows of x per quantized register tile
 constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 }  // namespace
 
-
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
 // packed [ceil(N / kPanel), K, kPanel] (zero padded), so that for each k the panel's kPanel
 // weights are one contiguous 64-byte row. A register tile of up to kPanelRows rows of x times
