@@ -4,14 +4,13 @@ bounds, and prints the table, the single-stream decode and KV-utilisation result
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import argparse
 import gc
 import json
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -143,6 +142,7 @@ def main(argv=None) -> int:
     decode_prompt = make_decode_prompt(config.vocab_size)
     decode_tokens = QUICK_DECODE_NEW_TOKENS if args.quick else DECODE_NEW_TOKENS
     lengths = [(len(r.prompt_token_ids), r.output_len) for r in requests]
+    flops = hw.workload_flops(shape, lengths)
     settings = EngineSettings(num_kv_blocks=args.num_kv_blocks or blocks_for(requests, args.block_size),
                               block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
 
         paired = _measure("(c) engine throughput", "ours", engine_runs, errors, load, args.retries)
         if paired:
-            chosen = ours.median_run(paired, hw.workload_flops(shape, lengths)["total"])
+            chosen = ours.median_run(paired, flops["total"])
             mine, ours_gflops = chosen.run, chosen.gflops
         log("our engine: batch-1 decode rate")
         our_decode = _measure("engine decode", "ours_decode", lambda: _loaded(
@@ -214,7 +214,6 @@ def main(argv=None) -> int:
     # discounts a round slowed by a neighbour process.
     mm = max((m for m, _ in bounds_rounds), key=lambda m: m["gflops"])
     copy_gbps = max(c for _, c in bounds_rounds)
-    flops = hw.workload_flops(shape, lengths)
     compute_bound_s = flops["total"] / (mm["gflops"] * 1e9)
     decode_bytes = hw.decode_bytes_per_token(shape)
     decode_bound_tps = copy_gbps * 1e9 / decode_bytes

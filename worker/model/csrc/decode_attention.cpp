@@ -50,7 +50,8 @@ inline void prefetch_row(const float* row, int64_t floats) {
 void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std::vector<float>& scores) {
   const int64_t num_heads = pool.num_heads, head_dim = pool.head_dim, len = seq.len;
   const int64_t padded_heads = (num_heads + kLanes - 1) / kLanes * kLanes;
-  scores.resize(len * padded_heads);
+  scores.resize(len * padded_heads + padded_heads);  // the scores, then 1 / sum per head
+  float* inverse = scores.data() + len * padded_heads;
   const __m256 scale_v = _mm256_set1_ps(scale);
   // q . k for 8 heads of one slot at a time, as 8 accumulators summed in one step; heads past
   // the last (padding) repeat it and are never read.
@@ -77,13 +78,6 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
     }
   }
   // Softmax numerators in place (max-subtracted); the 1 / sum is applied to the output.
-  alignas(32) float inverse_sums[64];
-  std::vector<float> inverse_sums_heap;
-  float* inverse = inverse_sums;
-  if (padded_heads > 64) {
-    inverse_sums_heap.resize(padded_heads);
-    inverse = inverse_sums_heap.data();
-  }
   for (int64_t h0 = 0; h0 < padded_heads; h0 += kLanes) {
     __m256 max_v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t = 0; t < len; ++t) max_v = _mm256_max_ps(max_v, _mm256_loadu_ps(scores.data() + t * padded_heads + h0));

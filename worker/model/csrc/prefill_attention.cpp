@@ -24,7 +24,6 @@ constexpr int64_t kPrefetchKeys = 8;  // V rows sit 1 slot row apart, blocks sca
 
 struct Sequence {
   int64_t q_start, q_len, ctx;    // rows of q/out, new tokens, tokens cached before them
-  const int64_t* table;           // block ids
   const float* k_panels;          // [ceil(L / 16), D, 16] per KV head, heads one after another
   const int64_t* slots;           // [L] flat slot of each key
   int64_t len() const { return ctx + q_len; }
@@ -200,7 +199,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t* table = tables + s * table_width;
     for (int64_t t = 0; t < lens[s]; ++t) slots[slot_offset[s] + t] = table[t / block_size] * block_size + t % block_size;
-    seqs[s] = Sequence{starts[s], starts[s + 1] - starts[s], lens[s] - (starts[s + 1] - starts[s]), table,
+    seqs[s] = Sequence{starts[s], starts[s + 1] - starts[s], lens[s] - (starts[s + 1] - starts[s]),
                        packed_ptr + panel_offset[s], slots.data() + slot_offset[s]};
   }
   // Pack K: panel p of head g holds keys 16p .. 16p + 15 side by side for each head dim.
