@@ -13,6 +13,7 @@ from torch import nn
 from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, write_kv
 from worker.model.config import ModelConfig
+from worker.model.fused_layers import run_fused_layers
 from worker.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V pools, each [N, S, Hkv, D]
@@ -117,6 +118,9 @@ class Transformer(nn.Module):
         rope = self.rotary(positions)
         if self.placement is not None:
             x = self.placement.run_layers(self.layers, x, rope, kv_caches, meta, attention_fn)
+        elif attention_fn is paged_attention and (fused := run_fused_layers(self.layers, x, rope, kv_caches,
+                                                                            meta)) is not None:
+            x = fused
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, rope, kv_cache, meta, attention_fn)

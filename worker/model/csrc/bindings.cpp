@@ -16,5 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
   m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels (CPU, float32)");
   m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");
+  m.def("decoder_layers", &decoder_layers, py::call_guard<py::gil_scoped_release>(),
+        "every decoder layer of a step (norms, projections, rotary + KV write, paged attention, gated MLP) in one "
+        "call; overwrites x and returns the residual stream before the final norm (CPU, float32)");
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
 }

@@ -5,6 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+#include <vector>
+
 // decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale);
@@ -29,3 +32,10 @@ at::Tensor argmax_rows(at::Tensor logits);
 void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out);
 void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps, at::Tensor out);
 void silu_and_mul(at::Tensor gate_up, at::Tensor out);
+
+// decoder_layers.cpp
+at::Tensor decoder_layers(at::Tensor x, std::vector<std::vector<std::optional<at::Tensor>>> layers, at::Tensor cos,
+                          at::Tensor sin, at::Tensor slot_mapping, std::vector<at::Tensor> k_caches,
+                          std::vector<at::Tensor> v_caches, at::Tensor block_tables, at::Tensor seq_lens,
+                          at::Tensor query_starts, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t intermediate_size, double scale, double eps);

@@ -1,0 +1,97 @@
+// Every decoder layer of a step in one call: the same kernels, in the same order, as the Python
+// modules run them (worker/model/transformer.py), without the Python between them. On a decode
+// step the modules' dispatch (about 70 module calls and 100 tensor ops for 8 layers) costs as
+// much as a third of the weight stream; here it is a few C++ calls per layer.
+#include "kernels.h"
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+// Per-layer tensors, in the order the Python side lists them (worker/model/fused_layers.py).
+enum LayerTensor {
+  kInputNorm, kQkv, kQkvBias, kOut, kOutBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kNumLayerTensors
+};
+
+using LayerTensors = std::vector<std::optional<at::Tensor>>;
+
+void add_bias(at::Tensor& out, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value()) out.add_(*bias);
+}
+
+// out [T, N] = x @ W^T (+ bias) for a packed W of N outputs.
+void project(const at::Tensor& x, const LayerTensors& layer, LayerTensor weight, LayerTensor bias, at::Tensor out) {
+  linear_packed(x, *layer[weight], out);
+  add_bias(out, layer[bias]);
+}
+
+}  // namespace
+
+at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Tensor cos, at::Tensor sin,
+                          at::Tensor slot_mapping, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                          at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts, int64_t num_decodes,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
+                          double scale, double eps) {
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t num_layers = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kFloat, "x: contiguous float32 [T, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
+              "one K and one V pool per layer");
+  TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "num_decodes within the step's tokens");
+  for (const auto& layer : layers)
+    TORCH_CHECK(layer.size() == kNumLayerTensors && layer[kInputNorm] && layer[kQkv] && layer[kOut] &&
+                layer[kPostNorm] && layer[kGateUp] && layer[kDown], "each layer lists its ", kNumLayerTensors,
+                " tensors (biases may be None)");
+  const int64_t q_size = num_heads * head_dim;
+  const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
+  const auto options = x.options();
+  // One set of scratch for the whole call; every layer writes each before it reads it.
+  at::Tensor normed = at::empty({tokens, hidden}, options);
+  at::Tensor qkv = at::empty({tokens, qkv_size}, options);
+  at::Tensor attention = at::empty({tokens, num_heads, head_dim}, options);
+  at::Tensor gate_up = at::empty({tokens, 2 * intermediate_size}, options);
+  at::Tensor activation = at::empty({tokens, intermediate_size}, options);
+  // The residual stream alternates between two buffers: a sublayer's output becomes the stream
+  // once the old stream is added into it (add_rms_norm adds in place), so nothing is copied.
+  at::Tensor residual = x, spare = at::empty({tokens, hidden}, options);
+  const at::Tensor q = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).narrow(1, 0, num_heads);
+  const bool all_decodes = num_decodes == tokens;
+
+  rms_norm(residual, *layers[0][kInputNorm], eps, normed);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const LayerTensors& layer = layers[l];
+    project(normed, layer, kQkv, kQkvBias, qkv);
+    rotary_and_write_kv(qkv, cos, sin, slot_mapping, k_caches[l], v_caches[l], num_heads);
+    at::Tensor attended = attention;
+    if (num_decodes > 0) {
+      at::Tensor decoded = paged_decode_attention(q.narrow(0, 0, num_decodes), k_caches[l], v_caches[l],
+                                                  block_tables.narrow(0, 0, num_decodes),
+                                                  seq_lens.narrow(0, 0, num_decodes), scale);
+      if (all_decodes)
+        attended = decoded;
+      else
+        attention.narrow(0, 0, num_decodes).copy_(decoded);
+    }
+    if (!all_decodes) {
+      const int64_t num_seqs = block_tables.size(0);
+      paged_prefill_attention(q.narrow(0, num_decodes, tokens - num_decodes), k_caches[l], v_caches[l],
+                              block_tables.narrow(0, num_decodes, num_seqs - num_decodes),
+                              seq_lens.narrow(0, num_decodes, num_seqs - num_decodes), query_starts, scale,
+                              attention.narrow(0, num_decodes, tokens - num_decodes));
+    }
+    project(attended.view({tokens, q_size}), layer, kOut, kOutBias, spare);
+    add_rms_norm(spare, residual, *layer[kPostNorm], eps, normed);  // spare = residual + attention
+    std::swap(residual, spare);
+    project(normed, layer, kGateUp, kGateUpBias, gate_up);
+    silu_and_mul(gate_up, activation);
+    project(activation, layer, kDown, kDownBias, spare);
+    if (l + 1 < num_layers) {
+      add_rms_norm(spare, residual, *layers[l + 1][kInputNorm], eps, normed);  // spare = residual + mlp
+    } else {
+      spare.add_(residual);
+    }
+    std::swap(residual, spare);
+  }
+  return residual;
+}

@@ -1,0 +1,84 @@
+"""The CPU fast path through a step's decoder layers: one call into our kernels
+(csrc/decoder_layers.cpp) runs every layer with the kernels the modules themselves would call, in
+the same order, without Python between them.
+
+It applies only where the modules would take those kernels anyway: float32 on the CPU, float
+weights packed into panels, no per-head q/k norm, the default attention, and no hooks on any
+layer module (calibration and tests observe activations through forward hooks). Anywhere
+else `run_fused_layers` returns None and the modules run as before.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model import cpu_kernels
+from worker.model.attention import AttentionMetadata
+from worker.model.layers import Linear
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as module_state
+    return bool(module_state._global_forward_hooks or module_state._global_forward_pre_hooks)
+
+
+def _linear_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if not isinstance(linear, Linear) or _hooked(linear):
+        return None
+    panels = linear.packed_weight()
+    return None if panels is None else (panels, linear._parameters["bias"])
+
+
+def layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
+    """The tensors `decoder_layers` takes for one layer, in its order (norm, qkv, qkv bias, o,
+    o bias, norm, gate_up, gate_up bias, down, down bias), or None if the layer cannot take it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.q_norm is not None or any(map(_hooked, (layer, attn, mlp, layer.input_layernorm,
+                                                    layer.post_attention_layernorm))):
+        return None
+    tensors: list[torch.Tensor | None] = [layer.input_layernorm.weight]
+    for linear in (attn.qkv_proj, attn.o_proj):
+        if (pair := _linear_tensors(linear)) is None:
+            return None
+        tensors.extend(pair)
+    tensors.append(layer.post_attention_layernorm.weight)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        if (pair := _linear_tensors(linear)) is None:
+            return None
+        tensors.extend(pair)
+    return tensors
+
+
+def run_fused_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     meta: AttentionMetadata) -> torch.Tensor | None:
+    """x [T, hidden] through every layer (x itself is overwritten): the residual stream after
+    the last layer, before the final norm; or None where the modules must run instead."""
+    if not layers or _global_hooks():
+        return None
+    k_caches = [k for k, _ in kv_caches]
+    v_caches = [v for _, v in kv_caches]
+    kernels = cpu_kernels.for_tensors(x, *k_caches, *v_caches)
+    if kernels is None or not x.is_contiguous():
+        return None
+    first = layers[0].self_attn
+    num_decodes = meta.num_decodes
+    if num_decodes < x.shape[0] and not kernels.prefill_attention_supported(first.head_dim):
+        return None
+    tensors = []
+    for layer in layers:
+        if (one := layer_tensors(layer)) is None:
+            return None
+        tensors.append(one)
+    starts = [0]
+    for q_len in meta.query_lens[num_decodes:]:
+        starts.append(starts[-1] + q_len)
+    cos, sin = rope
+    return kernels.decoder_layers(x, tensors, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, k_caches, v_caches,
+                                  meta.block_tables, meta.seq_lens, torch.tensor(starts), num_decodes,
+                                  first.num_heads, first.num_kv_heads, first.head_dim,
+                                  layers[0].mlp.intermediate_size, first.scale, layers[0].input_layernorm.eps)
