@@ -147,16 +147,25 @@ def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     (32, 8, 128),  # Llama 3 8B
     (4, 4, 12),  # head_dim not a multiple of 8: the portable path
 ])
-def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("lens, threads", [
+    ([1, 7, 16, 17, 100, 300], 2),  # a task per sequence
+    ([300], 2),  # fewer sequences than threads: each split over ranges of KV heads
+    ([300], 3),  # uneven ranges: 4 KV heads as 1 + 1 + 2, 8 as 2 + 3 + 3
+])
+def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, lens, threads):
     from worker.model.attention import paged_attention_reference
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-    lens = [1, 7, 16, 17, 100, 300]
     q, k_cache, v_cache, meta = _paged_step([1] * len(lens), [n - 1 for n in lens], num_heads, num_kv_heads,
                                             head_dim, seed=num_heads * head_dim)
     scale = head_dim ** -0.5
-    ours = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    finally:
+        torch.set_num_threads(before)
     expected = paged_attention_reference(q, None, None, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 

@@ -36,17 +36,20 @@ def _linear_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
 def layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
     """The tensors `decoder_layers` takes for one layer, in its order (norm, qkv, qkv bias, o,
     o bias, norm, gate_up, gate_up bias, down, down bias), or None if the layer cannot take it."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.q_norm is not None or any(map(_hooked, (layer, attn, mlp, layer.input_layernorm,
-                                                    layer.post_attention_layernorm))):
+    # Submodules straight from `_modules`: this runs for every layer on every step, and
+    # nn.Module.__getattr__ costs a microsecond a lookup.
+    modules = layer._modules
+    attn, mlp = modules["self_attn"], modules["mlp"]
+    input_norm, post_norm = modules["input_layernorm"], modules["post_attention_layernorm"]
+    if attn.q_norm is not None or any(map(_hooked, (layer, attn, mlp, input_norm, post_norm))):
         return None
-    tensors: list[torch.Tensor | None] = [layer.input_layernorm.weight]
-    for linear in (attn.qkv_proj, attn.o_proj):
+    tensors: list[torch.Tensor | None] = [input_norm._parameters["weight"]]
+    for linear in (attn._modules["qkv_proj"], attn._modules["o_proj"]):
         if (pair := _linear_tensors(linear)) is None:
             return None
         tensors.extend(pair)
-    tensors.append(layer.post_attention_layernorm.weight)
-    for linear in (mlp.gate_up_proj, mlp.down_proj):
+    tensors.append(post_norm._parameters["weight"])
+    for linear in (mlp._modules["gate_up_proj"], mlp._modules["down_proj"]):
         if (pair := _linear_tensors(linear)) is None:
             return None
         tensors.extend(pair)

@@ -36,6 +36,9 @@ struct PoolView {
   const float* slot(const float* pool, const int64_t* table, int64_t token) const {
     return pool + (table[token / block_size] * block_size + token % block_size) * slot_stride;
   }
+
+  // Floats of a slot's row this view reads: its KV heads only (all of them unless split).
+  int64_t row_floats() const { return num_heads / group * head_dim; }
 };
 
 #ifdef HAVE_AVX2_FMA
@@ -56,7 +59,7 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
   // q . k for 8 heads of one slot at a time, as 8 accumulators summed in one step; heads past
   // the last (padding) repeat it and are never read.
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.k, seq.table, t + kPrefetchSlots), pool.slot_stride);
+    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.k, seq.table, t + kPrefetchSlots), pool.row_floats());
     const float* k_row = pool.slot(pool.k, seq.table, t);
     for (int64_t h0 = 0; h0 < padded_heads; h0 += kLanes) {
       const float* q_head[kLanes];
@@ -93,7 +96,7 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
   // out[h] = sum over slots of p[t, h] * v[t, h / group]; out stays in L1 across the slots.
   std::fill(seq.out, seq.out + num_heads * head_dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.v, seq.table, t + kPrefetchSlots), pool.slot_stride);
+    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.v, seq.table, t + kPrefetchSlots), pool.row_floats());
     const float* v_row = pool.slot(pool.v, seq.table, t);
     const float* p = scores.data() + t * padded_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -166,26 +169,37 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   vectorised = head_dim % kLanes == 0;
 #endif
 
-  // One task per sequence. Sequences differ in length by 10x or more, so tasks go longest
+  // One task per sequence, or, when there are fewer sequences than threads (a single stream,
+  // the last few requests of a batch), per sequence and range of KV heads, so every thread
+  // streams part of the K/V. Sequences differ in length by 10x or more, so tasks go longest
   // first to whichever thread is free (dynamic), not in equal contiguous shares.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
   std::vector<int64_t> order(num_seqs);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs)))
+  const int64_t num_tasks = num_seqs * splits;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, num_tasks)))
   {
     std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_seqs; ++task) {
-      const int64_t b = order[task];
-      const SequenceView seq{q_ptr + b * num_heads * head_dim, out_ptr + b * num_heads * head_dim,
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const int64_t b = order[task / splits], split = task % splits;
+      // KV heads [kv0, kv1) and their query heads [kv0 * group, kv1 * group): the same pool with
+      // its rows read from the first of those heads on.
+      const int64_t kv0 = split * num_kv_heads / splits, kv1 = (split + 1) * num_kv_heads / splits;
+      const int64_t h0 = kv0 * pool.group;
+      const PoolView part{pool.k + kv0 * head_dim, pool.v + kv0 * head_dim, pool.block_size, pool.slot_stride,
+                          (kv1 - kv0) * pool.group, pool.group, head_dim};
+      const SequenceView seq{q_ptr + (b * num_heads + h0) * head_dim, out_ptr + (b * num_heads + h0) * head_dim,
                              tables + b * table_width, lens[b]};
 #ifdef HAVE_AVX2_FMA
       if (vectorised) {
-        attend_avx2(seq, pool, static_cast<float>(scale), scores);
+        attend_avx2(seq, part, static_cast<float>(scale), scores);
         continue;
       }
 #endif
-      attend_portable(seq, pool, static_cast<float>(scale), scores);
+      attend_portable(seq, part, static_cast<float>(scale), scores);
     }
   }
   return out;
