@@ -79,7 +79,9 @@ def parse_args(argv):
     p.add_argument("--json", metavar="PATH", help="also write every result (with per-request records) as JSON")
     p.add_argument("--model", default="auto",
                    help='"auto" (models/default if servable, else bench-small), "default", "bench-small" or a folder')
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the engine and the worker alike")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the engine and the worker alike; 0 = what a 1-worker cluster gets by "
+                        "default (the usable cores less worker.reserved_cores: 1 on a 2-core host)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine / worker batch for (a) and (b)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the gateway's stream_interval for (a)-(c): tokens per GenerateResponse (1 = every token)")
@@ -233,8 +235,16 @@ def priority_phases(args, plan, model_dir, vocab, ctx, sat_spec) -> dict:
     return out
 
 
+def default_worker_threads() -> int:
+    """What `honcho start` with one worker would give it (shared/config.py: worker_threads)."""
+    from shared.config import load_config
+    return load_config(None, {"num_workers": 1}).worker_threads()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.threads <= 0:
+        args.threads = default_worker_threads()
     plan = QUICK if args.quick else FULL
     t_start = time.perf_counter()
     model_dir = resolve_model(args.model)

@@ -95,7 +95,11 @@ class QueueConfig:
 class WorkerConfig:
     device: str = "auto"
     dtype: str = ""  # "" = float32 on CPU, the checkpoint's half type on CUDA
-    num_threads: int = 0  # torch CPU threads; 0 = the host's cores split evenly between workers
+    num_threads: int = 0  # torch CPU threads; 0 = the host's cores, less reserved_cores, split evenly between workers
+    # Cores left to the gateway (and whatever else shares the host) when num_threads is 0: a
+    # worker's OpenMP threads spin between parallel regions, and a gateway wake-up that
+    # deschedules one stalls the whole region (docs/benchmarks.md, issue 3).
+    reserved_cores: int = 1
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = size the pool from memory
     kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
@@ -137,7 +141,7 @@ class WorkerConfig:
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check(getattr(self, name) >= 1, f"worker.{name}", getattr(self, name), ">= 1")
-        for name in ("num_threads", "num_kv_blocks", "kv_cache_bytes", "max_queued", "max_prefill_chunk_tokens",
+        for name in ("num_threads", "reserved_cores", "num_kv_blocks", "kv_cache_bytes", "max_queued", "max_prefill_chunk_tokens",
                      "max_model_len", "memory_limit_bytes", "empty_cache_fragmentation_bytes"):
             _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), ">= 0")
         _check(0 < self.memory_high_fraction < self.memory_critical_fraction <= 1, "worker.memory_high_fraction",
@@ -192,7 +196,19 @@ class ClusterConfig:
         return self.gateway.worker_endpoint or f"ipc://{Path(self.run_dir).resolve()}/gateway.ipc"
 
     def worker_threads(self) -> int:
-        return self.worker.num_threads or max(1, (os.cpu_count() or 1) // self.num_workers)
+        """torch threads per worker: `worker.num_threads`, or the cores this process may run on,
+        less `worker.reserved_cores`, split evenly between the workers (at least one each)."""
+        if self.worker.num_threads:
+            return self.worker.num_threads
+        return max(1, (_usable_cores() - self.worker.reserved_cores) // self.num_workers)
+
+
+def _usable_cores() -> int:
+    # The affinity mask, where the platform has one: a container or `taskset` may allow fewer
+    # cores than the host has.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
