@@ -59,6 +59,9 @@ def print_report(results: dict) -> None:
     print(f"model {results['model_dir']}  (vocab {results['vocab']}, context {results['context']}); "
           f"torch threads {results['threads']}; gateway stream_interval {results.get('stream_interval', 1)}; "
           f"machine: {results['cpus']} CPUs")
+    cores = results.get("cores")
+    print("cores: " + (", ".join(f"{role} {c}" for role, c in cores.items()) + " (engine side on the worker's, "
+                       "load generator on the gateway's)" if cores else "not pinned"))
     for phase in results.get("runs", []):
         res: LoadResult = phase
         print()

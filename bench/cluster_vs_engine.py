@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -150,11 +151,40 @@ def measured(label: str, fn: Callable[[int], LoadResult], retries: int) -> LoadR
     return best
 
 
+# ---- where each side runs -------------------------------------------------------------------------
+# The cores a 1-worker cluster with these threads pins its worker and gateway to (shared/cpu_affinity.py),
+# set once in main(); empty where it pins nothing. The in-process engine then runs on the worker's cores and
+# the load generator on the gateway's, as a client elsewhere would leave the worker's cores alone.
+_core_plan: dict[str, list[int]] = {}
+
+
+def plan_for(threads: int) -> dict[str, list[int]]:
+    from shared.config import load_config
+    from shared.cpu_affinity import plan_cores
+    return plan_cores(load_config(None, {"num_workers": 1, "worker.num_threads": threads})) or {}
+
+
+@contextmanager
+def pinned(role: str):
+    """This thread (and threads it starts) on `role`'s cores for the block; the mask is restored after,
+    so the cluster processes started later inherit every core."""
+    cores = _core_plan.get(role)
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 # ---- the phases ---------------------------------------------------------------------------------
 def engine_run(engine, workload, label: str, prefix: str, concurrency: int = 0) -> Callable[[int], LoadResult]:
     def run(attempt: int) -> LoadResult:
         acct: dict = {}
-        with cpu_accounting(acct):
+        with cpu_accounting(acct), pinned("worker-0"):
             result = replay(engine, workload, concurrency=concurrency, label=label, prefix=f"{prefix}{attempt}")
         result.extra["cpu"] = acct
         return result
@@ -165,7 +195,7 @@ def cluster_run(cluster: ClusterProcess, workload, label: str, prefix: str,
                 concurrency: int = 0) -> Callable[[int], LoadResult]:
     def run(attempt: int) -> LoadResult:
         acct: dict = {}
-        with cpu_accounting(acct, cluster.cpu_seconds):
+        with cpu_accounting(acct, cluster.cpu_seconds), pinned("gateway"):
             result = run_load(cluster.address, workload, concurrency=concurrency, label=label,
                               bucket_bounds=DEFAULT_BUCKET_BOUNDS, request_prefix=f"{prefix}{attempt}")
         result.extra["cpu"] = acct
@@ -245,6 +275,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads <= 0:
         args.threads = default_worker_threads()
+    _core_plan.update(plan_for(args.threads))
     plan = QUICK if args.quick else FULL
     t_start = time.perf_counter()
     model_dir = resolve_model(args.model)
@@ -252,6 +283,7 @@ def main(argv=None) -> int:
     spec = specs(plan, args.seed)
     busy = wait_for_idle(args.wait_idle)
     results: dict = {"model_dir": str(model_dir), "vocab": vocab, "context": ctx, "threads": args.threads,
+                     "cores": dict(_core_plan),
                      "stream_interval": args.stream_interval, "cpus": os.cpu_count(), "plan": plan.__dict__,
                      "busy_before": busy, "runs": [], "all_runs": [],
                      "specs": {}}

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from shared.config import ConfigError, add_config_flags, config_from_args
+from shared.cpu_affinity import GATEWAY, pin_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    if cores := pin_process(GATEWAY, config):
+        logging.getLogger("gateway").info("pinned to cores %s (worker.reserved_cores)", cores)
     from gateway.server import Gateway
 
     async def run() -> int:

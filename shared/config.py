@@ -100,6 +100,9 @@ class WorkerConfig:
     # worker's OpenMP threads spin between parallel regions, and a gateway wake-up that
     # deschedules one stalls the whole region (docs/benchmarks.md, issue 3).
     reserved_cores: int = 1
+    # Where the host has the cores (reserved_cores + num_workers x threads), pin each worker to
+    # its own cores and the gateway to the reserved ones (shared/cpu_affinity.py).
+    pin_cores: bool = True
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 = size the pool from memory
     kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
@@ -200,15 +203,15 @@ class ClusterConfig:
         less `worker.reserved_cores`, split evenly between the workers (at least one each)."""
         if self.worker.num_threads:
             return self.worker.num_threads
-        return max(1, (_usable_cores() - self.worker.reserved_cores) // self.num_workers)
+        return max(1, (len(usable_cores()) - self.worker.reserved_cores) // self.num_workers)
 
 
-def _usable_cores() -> int:
-    # The affinity mask, where the platform has one: a container or `taskset` may allow fewer
-    # cores than the host has.
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order: its affinity mask where the platform has
+    one (a container or `taskset` may allow fewer cores than the host has)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

@@ -74,13 +74,13 @@ def test_unreadable_file_is_a_config_error(tmp_path):
 
 
 def test_cpu_threads_are_split_between_workers_after_the_gateways_core(monkeypatch):
-    monkeypatch.setattr("shared.config._usable_cores", lambda: 8)
+    monkeypatch.setattr("shared.config.usable_cores", lambda: list(range(8)))
     assert load_config(None, {"num_workers": 2}).worker_threads() == 3  # (8 - 1) // 2
     assert load_config(None, {"num_workers": 1}).worker_threads() == 7
     assert load_config(None, {"num_workers": 2, "worker.reserved_cores": 0}).worker_threads() == 4
     assert load_config(None, {"num_workers": 16}).worker_threads() == 1
     assert load_config(None, {"worker.num_threads": 3}).worker_threads() == 3
-    monkeypatch.setattr("shared.config._usable_cores", lambda: 2)
+    monkeypatch.setattr("shared.config.usable_cores", lambda: [0, 1])
     assert load_config(None, {"num_workers": 1}).worker_threads() == 1  # this 2-core host: one for the gateway
     with pytest.raises(ConfigError, match="worker.reserved_cores"):
         load_config(None, {"worker.reserved_cores": -1})
@@ -90,5 +90,5 @@ def test_usable_cores_follow_the_affinity_mask(monkeypatch):
     from shared import config as config_module
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no affinity masks on this platform")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5})
-    assert config_module._usable_cores() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 0, 3})
+    assert config_module.usable_cores() == [0, 3, 5]

@@ -11,6 +11,7 @@ import os
 import sys
 
 from shared.config import add_config_flags, config_from_args
+from shared.cpu_affinity import pin_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
+    # Before torch starts its threads: they inherit the mask.
+    if cores := pin_process(args.worker_id, config):
+        logging.getLogger("worker").info("pinned to cores %s", cores)
     if config.worker.cuda_alloc_conf:
         # Read by torch when CUDA initialises, so it must be set before the engine loads.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", config.worker.cuda_alloc_conf)
