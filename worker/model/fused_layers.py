@@ -3,8 +3,7 @@
 the same order, without Python between them.
 
 It applies only where the modules would take those kernels anyway: float32 on the CPU, float
-weights packed into panels, no per-head q/k norm, the default attention, and no hooks on any
-layer module (calibration and tests observe activations through forward hooks). Anywhere
+weights packed into panels, the default attention, and no hooks on any layer module (calibration and tests observe activations through forward hooks). Anywhere
 else `run_fused_layers` returns None and the modules run as before.
 """
 from __future__ import annotations
@@ -34,20 +33,26 @@ def _linear_tensors(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def layer_tensors(layer: nn.Module) -> list[torch.Tensor | None] | None:
-    """The tensors `decoder_layers` takes for one layer, in its order (norm, qkv, qkv bias, o,
-    o bias, norm, gate_up, gate_up bias, down, down bias), or None if the layer cannot take it."""
+    """The tensors `decoder_layers` takes for one layer, in its order (norm, qkv, qkv bias, q norm,
+    k norm, o, o bias, norm, gate_up, gate_up bias, down, down bias; a missing bias or q/k norm is
+    None), or None if the layer cannot take it."""
     # Submodules straight from `_modules`: this runs for every layer on every step, and
     # nn.Module.__getattr__ costs a microsecond a lookup.
     modules = layer._modules
     attn, mlp = modules["self_attn"], modules["mlp"]
     input_norm, post_norm = modules["input_layernorm"], modules["post_attention_layernorm"]
-    if attn.q_norm is not None or any(map(_hooked, (layer, attn, mlp, input_norm, post_norm))):
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    head_norms = (q_norm, k_norm) if q_norm is not None else ()
+    if any(map(_hooked, (layer, attn, mlp, input_norm, post_norm, *head_norms))):
         return None
     tensors: list[torch.Tensor | None] = [input_norm._parameters["weight"]]
-    for linear in (attn._modules["qkv_proj"], attn._modules["o_proj"]):
-        if (pair := _linear_tensors(linear)) is None:
-            return None
-        tensors.extend(pair)
+    if (pair := _linear_tensors(attn._modules["qkv_proj"])) is None:
+        return None
+    tensors.extend(pair)
+    tensors.extend([norm._parameters["weight"] for norm in head_norms] or [None, None])
+    if (pair := _linear_tensors(attn._modules["o_proj"])) is None:
+        return None
+    tensors.extend(pair)
     tensors.append(post_norm._parameters["weight"])
     for linear in (mlp._modules["gate_up_proj"], mlp._modules["down_proj"]):
         if (pair := _linear_tensors(linear)) is None:

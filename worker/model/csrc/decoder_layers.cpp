@@ -1,5 +1,6 @@
 // Every decoder layer of a step in one call: the same kernels, in the same order, as the Python
-// modules run them (worker/model/transformer.py), without the Python between them. On a decode
+// modules run them (worker/model/transformer.py), without the Python between them. Qwen3's
+// per-head q/k norms run in place in qkv before the rotary embedding. On a decode
 // step the modules' dispatch (about 70 module calls and 100 tensor ops for 8 layers) costs as
 // much as a third of the weight stream; here it is a few C++ calls per layer.
 #include "kernels.h"
@@ -11,7 +12,8 @@ namespace {
 
 // Per-layer tensors, in the order the Python side lists them (worker/model/fused_layers.py).
 enum LayerTensor {
-  kInputNorm, kQkv, kQkvBias, kOut, kOutBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kNumLayerTensors
+  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias,
+  kNumLayerTensors
 };
 
 using LayerTensors = std::vector<std::optional<at::Tensor>>;
@@ -41,8 +43,9 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "num_decodes within the step's tokens");
   for (const auto& layer : layers)
     TORCH_CHECK(layer.size() == kNumLayerTensors && layer[kInputNorm] && layer[kQkv] && layer[kOut] &&
-                layer[kPostNorm] && layer[kGateUp] && layer[kDown], "each layer lists its ", kNumLayerTensors,
-                " tensors (biases may be None)");
+                layer[kPostNorm] && layer[kGateUp] && layer[kDown] &&
+                layer[kQNorm].has_value() == layer[kKNorm].has_value(), "each layer lists its ", kNumLayerTensors,
+                " tensors (biases, and q/k norms together, may be None)");
   const int64_t q_size = num_heads * head_dim;
   const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
   const auto options = x.options();
@@ -62,6 +65,7 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerTensors& layer = layers[l];
     project(normed, layer, kQkv, kQkvBias, qkv);
+    if (layer[kQNorm]) head_rms_norm(qkv, *layer[kQNorm], *layer[kKNorm], num_heads, num_kv_heads, eps);
     rotary_and_write_kv(qkv, cos, sin, slot_mapping, k_caches[l], v_caches[l], num_heads);
     at::Tensor attended = attention;
     if (num_decodes > 0) {

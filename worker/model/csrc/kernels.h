@@ -32,6 +32,8 @@ at::Tensor argmax_rows(at::Tensor logits);
 void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out);
 void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps, at::Tensor out);
 void silu_and_mul(at::Tensor gate_up, at::Tensor out);
+void head_rms_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t num_heads,
+                   int64_t num_kv_heads, double eps);
 
 // decoder_layers.cpp
 at::Tensor decoder_layers(at::Tensor x, std::vector<std::vector<std::optional<at::Tensor>>> layers, at::Tensor cos,

@@ -111,6 +111,29 @@ void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps,
   });
 }
 
+// Qwen3's per-head q/k norms, in place inside the fused projection: qkv [T, (H + 2 Hkv) D] has
+// each token's H query heads, then Hkv key heads, then Hkv value heads; every query head is
+// normalised with q_weight [D] and every key head with k_weight [D], values left alone.
+void head_rms_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t num_heads,
+                   int64_t num_kv_heads, double eps) {
+  TORCH_CHECK(qkv.dtype() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous float32 [T, N]");
+  const int64_t dim = q_weight.numel(), tokens = qkv.size(0), width = qkv.size(1);
+  TORCH_CHECK(q_weight.dtype() == at::kFloat && k_weight.dtype() == at::kFloat && q_weight.is_contiguous() &&
+              k_weight.is_contiguous() && k_weight.numel() == dim, "q_weight, k_weight: contiguous float32 [D]");
+  TORCH_CHECK(width == (num_heads + 2 * num_kv_heads) * dim, "qkv holds (H + 2 Hkv) heads of head_dim");
+  const int64_t normed_heads = num_heads + num_kv_heads;
+  float* base = qkv.data_ptr<float>();
+  const float* q_w = q_weight.data_ptr<float>();
+  const float* k_w = k_weight.data_ptr<float>();
+  at::parallel_for(0, tokens * normed_heads, grain_for(2 * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / normed_heads, h = i % normed_heads;
+      float* row = base + t * width + h * dim;
+      normalise_row(row, h < num_heads ? q_w : k_w, row, dim, static_cast<float>(eps));
+    }
+  });
+}
+
 // gate_up [M, 2I] (gate then up) -> out [M, I] = silu(gate) * up.
 void silu_and_mul(at::Tensor gate_up, at::Tensor out) {
   TORCH_CHECK(gate_up.dtype() == at::kFloat && gate_up.is_contiguous() && out.is_contiguous(),
