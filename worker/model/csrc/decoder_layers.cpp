@@ -1,8 +1,8 @@
 // Every decoder layer of a step in one call: the same kernels, in the same order, as the Python
-// modules run them (worker/model/transformer.py), without the Python between them. Qwen3's
-// per-head q/k norms run in place in qkv before the rotary embedding. On a decode
+// modules run them (worker/model/transformer.py), without the Python between them. On a decode
 // step the modules' dispatch (about 70 module calls and 100 tensor ops for 8 layers) costs as
-// much as a third of the weight stream; here it is a few C++ calls per layer.
+// much as a third of the weight stream; here it is a few C++ calls per layer. Qwen3's per-head
+// q/k norms run in place in qkv, before the rotary embedding.
 #include "kernels.h"
 
 #include <optional>
@@ -35,9 +35,10 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
                           at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts, int64_t num_decodes,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
                           double scale, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kFloat, "x: contiguous float32 [T, hidden]");
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_layers = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kFloat, "x: contiguous float32 [T, hidden]");
+  TORCH_CHECK(num_layers >= 1, "at least one layer");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers && static_cast<int64_t>(v_caches.size()) == num_layers,
               "one K and one V pool per layer");
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "num_decodes within the step's tokens");
