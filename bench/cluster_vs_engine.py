@@ -158,10 +158,10 @@ def measured(label: str, fn: Callable[[int], LoadResult], retries: int) -> LoadR
 _core_plan: dict[str, list[int]] = {}
 
 
-def plan_for(threads: int) -> dict[str, list[int]]:
+def one_worker_config(threads: int = 0):
+    """The config of a 1-worker cluster with `threads` torch threads (0: its default share of the cores)."""
     from shared.config import load_config
-    from shared.cpu_affinity import plan_cores
-    return plan_cores(load_config(None, {"num_workers": 1, "worker.num_threads": threads})) or {}
+    return load_config(None, {"num_workers": 1, "worker.num_threads": threads})
 
 
 @contextmanager
@@ -265,17 +265,12 @@ def priority_phases(args, plan, model_dir, vocab, ctx, sat_spec) -> dict:
     return out
 
 
-def default_worker_threads() -> int:
-    """What `honcho start` with one worker would give it (shared/config.py: worker_threads)."""
-    from shared.config import load_config
-    return load_config(None, {"num_workers": 1}).worker_threads()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from shared.cpu_affinity import plan_cores
     if args.threads <= 0:
-        args.threads = default_worker_threads()
-    _core_plan.update(plan_for(args.threads))
+        args.threads = one_worker_config().worker_threads()  # what `honcho start` with one worker gives it
+    _core_plan.update(plan_cores(one_worker_config(args.threads)) or {})
     plan = QUICK if args.quick else FULL
     t_start = time.perf_counter()
     model_dir = resolve_model(args.model)

@@ -7,6 +7,7 @@ Knows nothing of requests or schedulers: everything arrives in AttentionMetadata
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,16 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @cached_property
+    def prefill_query_starts(self) -> torch.Tensor:
+        """[P + 1] int64 on the CPU: where each of the P prompt chunks' tokens start among the
+        chunks' own tokens, then their total (what the prefill kernel takes). Built once a step,
+        however many layers read it."""
+        starts = [0]
+        for q_len in self.query_lens[self.num_decodes:]:
+            starts.append(starts[-1] + q_len)
+        return torch.tensor(starts)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -115,11 +126,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return out
     if kernels is not None and kernels.prefill_attention_supported(q.shape[2]):
         # Every prompt chunk in one call, K/V read in place (this step's are already written).
-        starts = [0]
-        for q_len in meta.query_lens[num_decodes:]:
-            starts.append(starts[-1] + q_len)
         kernels.paged_prefill_attention(q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:],
-                                        meta.seq_lens[num_decodes:], torch.tensor(starts), scale,
+                                        meta.seq_lens[num_decodes:], meta.prefill_query_starts, scale,
                                         out[num_decodes:])
         return out
     start = num_decodes

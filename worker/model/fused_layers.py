@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_state
 
 from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata
@@ -21,7 +22,6 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as module_state
     return bool(module_state._global_forward_hooks or module_state._global_forward_pre_hooks)
 
 
@@ -82,11 +82,8 @@ def run_fused_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.T
         if (one := layer_tensors(layer)) is None:
             return None
         tensors.append(one)
-    starts = [0]
-    for q_len in meta.query_lens[num_decodes:]:
-        starts.append(starts[-1] + q_len)
     cos, sin = rope
     return kernels.decoder_layers(x, tensors, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, k_caches, v_caches,
-                                  meta.block_tables, meta.seq_lens, torch.tensor(starts), num_decodes,
+                                  meta.block_tables, meta.seq_lens, meta.prefill_query_starts, num_decodes,
                                   first.num_heads, first.num_kv_heads, first.head_dim,
                                   layers[0].mlp.intermediate_size, first.scale, layers[0].input_layernorm.eps)
