@@ -110,11 +110,11 @@ def engine_for(model_dir: Path, worker: dict):
     """The engine a worker with this [worker] section would build: same overrides, same code path."""
     from shared.config import load_config
     from worker.engine import Engine
-    from worker.service import engine_overrides
+    from worker.service import engine_config
 
     overrides = {f"worker.{k}": v for k, v in worker.items()}
     config = load_config(None, {"model_dir": str(model_dir), "num_workers": 1, **overrides})
-    return Engine.from_model_dir(model_dir, **engine_overrides(config))
+    return Engine.from_model_dir(model_dir, engine_config(config))
 
 
 def specs(plan: Plan, seed: int) -> dict[str, LoadSpec]:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shared.engine_config import ConfigError, EngineConfig
+from shared.engine_config import check as _check
 
-class ConfigError(ValueError):
-    """A config file or flag that is malformed, unknown or out of range; the message names it."""
+__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "GatewayConfig", "QueueConfig", "WorkerConfig",
+           "add_config_flags", "build_section", "config_from_args", "load_config", "usable_cores"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,27 @@ class GatewayConfig:
     # granularity for host CPU: gRPC's cost is per message, on the gateway and on the client.
     stream_interval: int = 1
     stream_hold_ms: float = 50.0
+    # Request size bounds, checked before any tokenizing or rendering: every size a client picks
+    # is bounded before work is done on it. A prompt's characters (a chat's contents together)
+    # also sit under gRPC's own 4 MiB message limit.
+    max_prompt_chars: int = 4 << 20
+    max_chat_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # per stop string; a stream holds back at most this much text
+    max_stop_token_ids: int = 256
+    # Threads that tokenize large prompts and render chat templates off the event loop.
+    tokenizer_threads: int = 2
+    # A stream whose worker died waits this long (never past its deadline) for a live worker
+    # before it fails UNAVAILABLE: a restarted worker is often back within seconds.
+    resume_grace_s: float = 5.0
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
+        for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars", "tokenizer_threads"):
+            _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
+        for name in ("max_stop_strings", "max_stop_token_ids"):
+            _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
+        _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
         _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
         _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
         _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
@@ -92,44 +112,23 @@ class QueueConfig:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    device: str = "auto"
-    dtype: str = ""  # "" = float32 on CPU, the checkpoint's half type on CUDA
-    num_threads: int = 0  # torch CPU threads; 0 = the host's cores, less reserved_cores, split evenly between workers
+class WorkerConfig(EngineConfig):
+    """The `[worker]` section: the engine's settings (inherited, read by the engine as they are)
+    plus the worker process's own: threads and cores, heartbeats, memory watchdog, restarts."""
     # Cores left to the gateway (and whatever else shares the host) when num_threads is 0: a
     # worker's OpenMP threads spin between parallel regions, and a gateway wake-up that
-    # deschedules one stalls the whole region (docs/benchmarks.md, issue 3).
+    # deschedules one stalls the whole region (docs/benchmarks.md). In a cluster, num_threads 0
+    # means the host's cores less reserved_cores, split evenly between workers.
     reserved_cores: int = 1
     # Where the host has the cores (reserved_cores + num_workers x threads), pin each worker to
     # its own cores and the gateway to the reserved ones (shared/cpu_affinity.py).
     pin_cores: bool = True
-    block_size: int = 16
-    num_kv_blocks: int = 0  # 0 = size the pool from memory
-    kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 32
     max_queued: int = 8  # requests a worker holds waiting beyond max_num_seqs
-    max_num_batched_tokens: int = 1024
-    max_prefill_chunk_tokens: int = 0  # 0 = no cap beyond the token budget
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
-    enable_prefix_caching: bool = True
     heartbeat_interval_s: float = 0.2
     memory_limit_bytes: int = 0  # 0 = the device's memory (CUDA) or the host's (CPU)
     restart_backoff_s: float = 0.5  # supervisor: first delay before a restart, doubled per quick crash
     max_restart_backoff_s: float = 10.0
     cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the model process
-    # Weight placement (worker/model/placement.py): "full" (every weight on `device`), "sharded"
-    # (layers split in pipeline stages over `devices`) or "on_demand" (weights in host memory, each
-    # layer copied to the device as it runs: a model bigger than the device, slower).
-    load_mode: str = "full"
-    devices: tuple[str, ...] = ()  # sharded only, e.g. ["cuda:0", "cuda:1"]: one per stage, in order
-    quantization: str = "none"  # weight-only: none, int8, int4 or mixed (attention int8, MLP int4)
-    quantization_group_size: int = 128  # INT4 group size
-    quantization_symmetric: bool = False  # INT4 without zero points
-    quantization_rule: str = ""  # replaces mixed's "attention:int8,mlp:int4", e.g. "params>=1e6:int8,*:int4"
-    # Activation-aware scales from "self" (the model's own samples), a text file, or "none"
-    # (plain rounding). Saved beside the checkpoint (or in ~/.cache) and reused at the next start.
-    quantization_calibration: str = "self"
     # The memory watchdog (worker/watchdog.py): levels as fractions of memory_limit_bytes. A level
     # is entered at its fraction and left below (fraction - memory_hysteresis_fraction).
     memory_high_fraction: float = 0.85  # HIGH: admit nothing new, evict prefix-cache blocks
@@ -142,36 +141,22 @@ class WorkerConfig:
     hung_after_s: float = 10.0  # has work but no step completed for this long: not ready
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check(getattr(self, name) >= 1, f"worker.{name}", getattr(self, name), ">= 1")
-        for name in ("num_threads", "reserved_cores", "num_kv_blocks", "kv_cache_bytes", "max_queued", "max_prefill_chunk_tokens",
-                     "max_model_len", "memory_limit_bytes", "empty_cache_fragmentation_bytes"):
-            _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), ">= 0")
-        _check(0 < self.memory_high_fraction < self.memory_critical_fraction <= 1, "worker.memory_high_fraction",
+        super().validate()
+        for name in ("reserved_cores", "max_queued", "memory_limit_bytes", "empty_cache_fragmentation_bytes"):
+            _check(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        _check(0 < self.memory_high_fraction < self.memory_critical_fraction <= 1, "memory_high_fraction",
                self.memory_high_fraction, "in (0, memory_critical_fraction), with memory_critical_fraction <= 1")
         _check(0 <= self.memory_hysteresis_fraction < self.memory_high_fraction,
-               "worker.memory_hysteresis_fraction", self.memory_hysteresis_fraction, "in [0, memory_high_fraction)")
-        for name in ("memory_poll_interval_s", "hung_after_s"):
-            _check(getattr(self, name) > 0, f"worker.{name}", getattr(self, name), "> 0")
-        _check(self.quantization in ("none", "int8", "int4", "mixed"), "worker.quantization", self.quantization,
-               "none, int8, int4 or mixed")
-        _check(self.quantization_group_size >= 2 and self.quantization_group_size % 2 == 0,
-               "worker.quantization_group_size", self.quantization_group_size, "an even number >= 2")
-        _check(self.quantization_calibration in ("self", "none") or os.path.isfile(self.quantization_calibration),
-               "worker.quantization_calibration", self.quantization_calibration, "self, none or an existing text file")
-        _check(self.load_mode in ("full", "sharded", "on_demand"), "worker.load_mode", self.load_mode,
-               "full, sharded or on_demand")
-        if self.load_mode == "sharded":
-            _check(len(self.devices) >= 2, "worker.devices", list(self.devices),
-                   "at least 2 devices (one per pipeline stage) with load_mode sharded")
-        else:
-            _check(not self.devices, "worker.devices", list(self.devices),
-                   f"empty unless load_mode is sharded (it is {self.load_mode!r}; use worker.device)")
-        _check(0 < self.gpu_memory_utilization <= 1, "worker.gpu_memory_utilization",
-               self.gpu_memory_utilization, "in (0, 1]")
-        _check(self.heartbeat_interval_s > 0, "worker.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")
-        _check(0 < self.restart_backoff_s <= self.max_restart_backoff_s, "worker.restart_backoff_s",
+               "memory_hysteresis_fraction", self.memory_hysteresis_fraction, "in [0, memory_high_fraction)")
+        for name in ("memory_poll_interval_s", "hung_after_s", "heartbeat_interval_s"):
+            _check(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+        _check(0 < self.restart_backoff_s <= self.max_restart_backoff_s, "restart_backoff_s",
                self.restart_backoff_s, "in (0, max_restart_backoff_s]")
+
+    def engine_config(self, num_threads: int) -> EngineConfig:
+        """The engine's part of this section, with the thread count the cluster chose."""
+        values = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        return EngineConfig(**{**values, "num_threads": num_threads})
 
 
 @dataclass(frozen=True)
@@ -188,7 +173,6 @@ class ClusterConfig:
         _check(bool(self.model_dir), "model_dir", self.model_dir, "a model folder")
         self.gateway.validate()
         self.queues.validate()
-        self.worker.validate()
 
     @property
     def worker_ids(self) -> list[str]:
@@ -212,11 +196,6 @@ def usable_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
 
 
 # ---- loading and overriding ---------------------------------------------------------------
@@ -268,6 +247,12 @@ def _parse_literal(text: str) -> Any:
         return text
 
 
+def build_section(cls, values: dict[str, Any]):
+    """One config class from a table of values, converted and checked as a TOML section is
+    (`Engine.from_model_dir`'s overrides take this path)."""
+    return _build(cls, values, "")
+
+
 def _build(cls, data: dict[str, Any], prefix: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a table, got {data!r}")
@@ -282,7 +267,10 @@ def _build(cls, data: dict[str, Any], prefix: str):
             values[name] = _build(_SECTIONS[name], value, f"{name}.")
         else:
             values[name] = _convert(hints[name], value, prefix + name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as e:  # a section that checks itself when built names keys without its prefix
+        raise ConfigError(f"{prefix}{e}") from None
 
 
 def _convert(hint, value: Any, name: str) -> Any:

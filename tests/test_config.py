@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args, load_config
-from worker.service import engine_overrides
+from worker.service import engine_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,9 +37,9 @@ def test_every_value_has_a_flag_and_flags_override_the_file():
     assert config.queues.policy == "fifo" and config.worker_ids == ["worker-0", "worker-1", "worker-2"]
     quantized = parse(["--worker.quantization", "mixed", "--worker.quantization_rule", "params>=1e6:int8,*:int4",
                        "--worker.quantization_calibration", "none"])
-    overrides = engine_overrides(quantized)
-    assert overrides["quantization_rule"] == "params>=1e6:int8,*:int4"
-    assert overrides["quantization_calibration"] == "none" and overrides["quantization"] == "mixed"
+    engine = engine_config(quantized)
+    assert engine.quantization_rule == "params>=1e6:int8,*:int4"
+    assert engine.quantization_calibration == "none" and engine.quantization == "mixed"
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
     flags = {a.dest for a in parser._actions}

@@ -23,7 +23,7 @@ def _drain(engine: Engine, max_steps: int = 10_000) -> dict:
             return final
         for out in engine.step():
             if out.finished:
-                final[out.request_id] = out
+                final[out.request_id] = out.final
         engine.check_integrity()
     raise AssertionError("engine did not finish")
 
@@ -150,6 +150,6 @@ def test_a_request_resumed_from_streamed_tokens_continues_identically(checkpoint
         while engine.has_unfinished_requests():
             outputs += engine.step()
         assert [t for o in outputs for t in o.new_token_ids] == full[cut:], cut
-        assert outputs[-1].token_ids == full and outputs[-1].finish_reason == "length"
+        assert outputs[-1].final.token_ids == full and outputs[-1].finish_reason == "length"
     with pytest.raises(ValueError, match="already has 24"):
         engine.add_request("done", prompt, params, output_token_ids=full)

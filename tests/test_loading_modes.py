@@ -20,7 +20,7 @@ from worker.model.placement import (OnDemandLayers, ShardedLayers, layer_tensors
                                     split_layers)
 from worker.model.quantization import QuantizedLinear
 from worker.model.weights import load_model
-from worker.service import engine_overrides
+from worker.service import engine_config
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # Small chunks and a second wave of requests: steps mix decodes with prompt chunks.
@@ -56,7 +56,7 @@ def run_workload(engine: Engine) -> tuple[dict[str, list[int]], int]:
                 engine.add_request(request_id, prompt, GREEDY)
         for out in engine.step():
             if out.finished:
-                tokens[out.request_id] = out.token_ids
+                tokens[out.request_id] = out.final.token_ids
         engine.check_integrity()
     assert any(1 in step and max(step) > 1 for step in steps), "some step should mix decodes and prompt chunks"
     assert set(tokens) == set(FIRST_WAVE) | set(SECOND_WAVE)
@@ -131,7 +131,7 @@ def test_layers_split_into_contiguous_even_stages():
 # ---- on demand ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_on_demand_matches_full_with_at_most_two_layers_resident(model_dirs, arch, caplog):
-    with caplog.at_level(logging.INFO, logger="worker.engine"):
+    with caplog.at_level(logging.INFO, logger="worker.engine_builder"):
         engine = Engine.from_model_dir(model_dirs[arch], **SMALL, load_mode="on_demand")
     assert engine.load_seconds > 0
     assert any("load_mode on_demand" in r.getMessage() for r in caplog.records)
@@ -214,8 +214,8 @@ def test_int8_quantization_composes_with_each_mode(model_dirs, mode):
 # ---- configuration -----------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, words", [
     (dict(load_mode="lazy"), "load_mode must be one of"),
-    (dict(load_mode="sharded"), "at least 2 entries in devices"),
-    (dict(load_mode="sharded", devices=("cpu",)), "at least 2 entries in devices"),
+    (dict(load_mode="sharded"), "at least 2 devices"),
+    (dict(load_mode="sharded", devices=("cpu",)), "at least 2 devices"),
     (dict(load_mode="full", devices=("cpu", "cpu")), "only for load_mode 'sharded'"),
     (dict(load_mode="on_demand", devices=("cpu", "cpu")), "only for load_mode 'sharded'"),
     (dict(load_mode="sharded", devices=("cpu", "cdua")), r"devices\[1\] = 'cdua' is not a device"),
@@ -228,7 +228,7 @@ def test_bad_load_configs_are_refused_by_name(overrides, words):
 
 
 def test_more_stages_than_layers_is_refused_before_loading(model_dirs, monkeypatch):
-    monkeypatch.setattr("worker.engine.load_model", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr("worker.engine_builder.load_model", lambda *a, **k: pytest.fail("weights were read"))
     with pytest.raises(ValueError, match="over 5 devices needs at least as many decoder layers, but the model has 4"):
         Engine.from_model_dir(model_dirs["llama"], load_mode="sharded", devices=["cpu"] * 5)
     with pytest.raises(ValueError, match="at least 2 layer slots"):
@@ -244,11 +244,11 @@ def _parse_flags(argv):
 def test_load_mode_flags_reach_the_engine_config():
     config = _parse_flags(["--worker.load_mode", "on_demand"])
     assert config.worker.load_mode == "on_demand" and config.worker.devices == ()
-    assert EngineConfig(**engine_overrides(config)).load_mode == "on_demand"
+    assert engine_config(config).load_mode == "on_demand"
     config = _parse_flags(["--config", str(ROOT / "configs" / "default.toml"), "--worker.load-mode", "sharded",
                            "--worker.devices", '["cpu", "cpu"]'])
-    engine_config = EngineConfig(**engine_overrides(config))
-    assert (engine_config.load_mode, engine_config.devices) == ("sharded", ("cpu", "cpu"))
+    built = engine_config(config)
+    assert (built.load_mode, built.devices) == ("sharded", ("cpu", "cpu"))
     assert load_config(None).worker.load_mode == "full"
     for overrides, words in [({"worker.load_mode": "lazy"}, "worker.load_mode"),
                              ({"worker.load_mode": "sharded", "worker.devices": ["cpu"]}, "worker.devices"),

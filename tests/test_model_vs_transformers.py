@@ -97,7 +97,7 @@ def test_crowd_preemption_chunking_and_prefix_hits_do_not_change_greedy_outputs(
     while crowd.has_unfinished_requests():
         for out in crowd.step():
             if out.finished:
-                final[out.request_id] = out
+                final[out.request_id] = out.final
         crowd.check_integrity()
     crowd.block_manager.evict()
     assert crowd.block_manager.num_free_blocks == crowd.block_manager.num_blocks

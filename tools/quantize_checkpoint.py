@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model_dir", type=Path, help="the float checkpoint (a Hugging Face folder)")
     parser.add_argument("out_dir", type=Path, help="where to write the quantized checkpoint")
     parser.add_argument("--quantization", choices=sorted(set(PRESETS) - {"none"}), default="int8")
-    parser.add_argument("--rule", help="replaces the mixed preset's rule, e.g. 'params>=1e6:int8,*:int4'")
+    parser.add_argument("--rule", default="", help="replaces the mixed preset's rule, e.g. 'params>=1e6:int8,*:int4'")
     parser.add_argument("--group-size", type=int, default=128, help="INT4 group size")
     parser.add_argument("--symmetric", action="store_true", help="INT4 without zero points")
     parser.add_argument("--calibration", default="self", help="'self', a text file, or 'none' (plain rounding)")

@@ -52,7 +52,6 @@ class BlockManager:
         self._hash_to_block_id: dict[bytes, int] = {}
         self._block_id_to_hash: dict[int, bytes] = {}
         self._requests: dict[str, _Request] = {}
-        self._pending_copies: list[tuple[int, int]] = []
 
     # ---- pool state -------------------------------------------------------------------------
 
@@ -77,6 +76,10 @@ class BlockManager:
         """A copy of the request's block table; KeyError if unknown."""
         return list(self._requests[request_id].block_ids)
 
+    def num_blocks_held(self, request_id: str) -> int:
+        req = self._requests.get(request_id)
+        return len(req.block_ids) if req is not None else 0
+
     def num_tokens(self, request_id: str) -> int:
         req = self._requests.get(request_id)
         return req.num_tokens if req is not None else 0
@@ -86,17 +89,7 @@ class BlockManager:
         req = self._requests.get(request_id)
         if req is None:
             return _cdiv(max(num_tokens, 0), self.block_size)
-        num_extra = max(_cdiv(num_tokens, self.block_size) - len(req.block_ids), 0)
-        return num_extra + int(self._needs_copy_on_write(req, num_tokens))
-
-    def _needs_copy_on_write(self, req: _Request, num_tokens: int) -> bool:
-        # Only a forked, partially filled last block can be shared and still receive writes:
-        # prefix-cache hits are always full blocks, which are never written again.
-        return (
-            num_tokens > req.num_tokens
-            and req.num_tokens % self.block_size != 0
-            and self._ref_counts[req.block_ids[-1]] > 1
-        )
+        return max(_cdiv(num_tokens, self.block_size) - len(req.block_ids), 0)
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -138,12 +131,6 @@ class BlockManager:
         if req is None:
             req = self._requests[request_id] = _Request()
 
-        if self._needs_copy_on_write(req, num_tokens):
-            src = req.block_ids[-1]
-            dst = self._take_block()
-            self._ref_counts[src] -= 1  # still > 0: the other holder keeps it
-            req.block_ids[-1] = dst
-            self._pending_copies.append((src, dst))
         while len(req.block_ids) < _cdiv(num_tokens, self.block_size):
             req.block_ids.append(self._take_block())
         req.num_tokens = num_tokens
@@ -162,11 +149,6 @@ class BlockManager:
     def _drop_hash(self, block_id: int) -> None:
         del self._hash_to_block_id[self._block_id_to_hash.pop(block_id)]
 
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        """Pending copy-on-write (src, dst) pairs; the runner must copy them before the next forward."""
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
-
     # ---- prefix cache -----------------------------------------------------------------------
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -183,7 +165,7 @@ class BlockManager:
             start = i * self.block_size
             block_hash = hash_block(req.last_hash, token_ids[start:start + self.block_size])
             block_id = req.block_ids[i]
-            # Register only if neither side is taken: a block from a cache hit (or a fork sibling)
+            # Register only if neither side is taken: a block from a cache hit
             # already carries this hash, and a duplicate of another block's content stays
             # unregistered so the map remains one-to-one.
             if block_hash not in self._hash_to_block_id and block_id not in self._block_id_to_hash:
@@ -193,19 +175,6 @@ class BlockManager:
             req.last_hash = block_hash
 
     # ---- release ----------------------------------------------------------------------------
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent; writes into a shared tail go copy-on-write."""
-        parent = self._requests.get(parent_id)
-        if parent is None:
-            raise ValueError(f"unknown parent request {parent_id!r}")
-        if child_id in self._requests:
-            raise ValueError(f"request {child_id!r} already has a block table")
-        for block_id in parent.block_ids:
-            self._ref_counts[block_id] += 1
-        self._requests[child_id] = _Request(
-            list(parent.block_ids), parent.num_tokens, parent.num_hashed_blocks, parent.last_hash
-        )
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks and forget it; unknown ids are a no-op."""
@@ -232,10 +201,6 @@ class BlockManager:
             self._free_block_ids.append(block_id)
             num_evicted += 1
         return num_evicted
-
-    def reset_prefix_cache(self) -> int:
-        """Evict every unreferenced cached block (statistics are kept); returns how many."""
-        return self.evict()
 
     # ---- debugging --------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
-"""Calibrate an engine's float model for quantization, or reuse the result saved last time.
+"""Calibrate a float model for quantization, or reuse the result saved last time.
 
-Owns the order of calibration at engine level: make the calibration set with the engine
-itself (its own sampled continuations of a handful of prompts, or windows of a text file),
-run every sequence through the float model teacher-forced while hooks record the
+Owns the order of calibration at engine level: make the calibration set (a plain float engine's
+own sampled continuations of a handful of prompts, or windows of a text file; the builder makes
+that engine over the model and drops it afterwards), run every sequence through the float model teacher-forced while hooks record the
 projections' inputs, search each projection's input scales, and keep the result beside the
 checkpoint. The pieces live in worker/model/calibration.py.
 """
@@ -12,22 +12,32 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 from shared.sampling_params import SamplingParams
 from worker.model.calibration import (Calibration, CalibrationSettings, calibration_file_name, calibration_prompts,
                                       describe_sequences, find_calibration, now_info, record_activations,
                                       save_calibration, search_model, text_file_windows)
-from worker.model.quantize_model import QuantizationRule
+from shared.engine_config import EngineConfig
+from shared.quantization_rule import QuantizationRule
+from worker.model.config import ModelConfig
 from worker.scoring import window_nll
-
-if TYPE_CHECKING:
-    from worker.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
-def calibration_sequences(engine: "Engine", settings: CalibrationSettings) -> list[list[int]]:
+class FloatEngine(Protocol):
+    """What calibration needs of the engine the builder makes over the still-float model."""
+    model: object  # the Transformer whose projections are recorded
+    model_config: ModelConfig
+    model_dir: Path
+    max_model_len: int
+    config: EngineConfig
+
+    def generate(self, prompts: Sequence[Sequence[int]], params, use_tqdm: bool = True) -> list: ...
+
+
+def calibration_sequences(engine: FloatEngine, settings: CalibrationSettings) -> list[list[int]]:
     config = engine.model_config
     if settings.source != "self":
         return text_file_windows(engine.model_dir, settings, window=min(engine.max_model_len, 256))
@@ -44,11 +54,10 @@ def calibration_sequences(engine: "Engine", settings: CalibrationSettings) -> li
     return [list(prompt) + list(out.token_ids) for prompt, out in zip(jobs, outputs)]
 
 
-def calibrate(engine: "Engine", rule: QuantizationRule, settings: CalibrationSettings) -> Calibration:
+def calibrate(engine: FloatEngine, rule: QuantizationRule, settings: CalibrationSettings) -> Calibration:
     """Calibrate the engine's (float) model for `rule`."""
     started = time.perf_counter()
     sequences = calibration_sequences(engine, settings)
-    engine.evict_prefix_cache()  # the calibration set's K/V must not be served to real requests
     with record_activations(engine.model, settings.max_rows, settings.seed) as stats:
         for sequence in sequences:
             window_nll(engine.model, sequence, block_size=engine.config.block_size)
@@ -58,7 +67,7 @@ def calibrate(engine: "Engine", rule: QuantizationRule, settings: CalibrationSet
     return calibration
 
 
-def load_or_calibrate(engine: "Engine", rule: QuantizationRule, settings: CalibrationSettings
+def load_or_calibrate(engine: FloatEngine, rule: QuantizationRule, settings: CalibrationSettings
                       ) -> tuple[Calibration, Path | None]:
     """The saved calibration for this checkpoint, rule and settings, else a fresh one (saved).
     Returns it and the file it came from or went to (None if it could not be saved)."""

@@ -1,176 +1,90 @@
 """The engine: schedule -> execute -> update -> emit, usable in-process with no sockets.
 
-`Engine.from_model_dir` builds model, KV pool, block manager, scheduler and runner from
-a local Hugging Face folder; `add_request` / `abort` / `step` drive it one iteration at a
-time (what the worker process wraps), and `generate` runs a whole batch offline.
+`Engine.from_model_dir` builds the parts (worker/engine_builder.py) from a local Hugging Face
+folder and the engine wires them; `add_request` / `abort` / `step` drive it one iteration at a
+time (what the worker process wraps), and `generate` runs a whole batch offline. Every change
+to a request is the scheduler's; the engine runs steps and reports deltas.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
+from shared.config import build_section
+from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
-from worker.block_manager import BlockManager
-from worker.kv_cache import (allocate_kv_cache, copy_blocks, num_blocks_for_budget,
-                             num_blocks_from_free_cuda_memory)
+from worker.engine_builder import EngineParts, build_engine
 from worker.memory import KVUsage
-from worker.model import cpu_kernels
-from worker.model.config import ModelConfig
-from worker.model.layers import release_float_weights
-from worker.calibrate import load_or_calibrate
-from worker.engine_config import ATTENTION, EngineConfig
-from worker.model.calibration import CalibrationSettings
-from worker.model.quantize_model import quantize_model
-from worker.model.quantized_checkpoint import quantization_config
-from worker.model.placement import attach_placement, plan_weights
-from worker.model.weights import load_model, resolve_dtype
-from worker.model_runner import ModelRunner, OutOfMemory, SequenceStep
+from worker.model_runner import OutOfMemory, SequenceStep
+from worker.outputs import RequestDelta, RequestOutput, delta_for
 from worker.request import Request, RequestStatus
-from worker.sampler import Sampler, make_generator, token_seed
-from worker.scheduler import RequestRejectedError, Scheduler, SchedulerConfig
+from worker.sampler import make_generator, token_seed
+from worker.scheduler import RequestRejectedError, ScheduledRequest, StepFailure
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestRejectedError", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestDelta", "RequestOutput", "RequestRejectedError",
+           "SamplingParams"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # every generated token so far
-    new_token_ids: list[int]  # generated in this step
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error" once finished
-    num_prompt_tokens: int
-    num_cached_tokens: int
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load and counters, as the worker's heartbeats report them."""
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int  # free or evictable
+    kv_blocks_cached: int  # evictable prefix-cache blocks
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
     num_preemptions: int
-    logprobs: list[float] = field(default_factory=list)
-    error: str | None = None
-    # Worker-side durations, only on the output carrying the first token sampled here.
-    worker_queue_ms: float = 0.0  # arrival on this worker to the first scheduled step
-    prefill_ms: float = 0.0  # first scheduled step to the first token
-    peak_kv_blocks: int = 0  # the most KV blocks the request held at once
+    num_steps: int
+    num_oom_recoveries: int
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig = EngineConfig()):
-        self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        if config.load_mode == "sharded":
-            device = torch.device(config.devices[0])  # the first stage takes the inputs
-        else:
-            device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available()
-                                  else "cpu" if config.device == "auto" else config.device)
-        self.model_dir = Path(model_dir)
-        model_config = ModelConfig.from_model_dir(self.model_dir)  # read first: it sizes the rotary table
-        max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_config.max_position_embeddings}")
-        self.max_model_len = max_model_len
-        if device.type == "cpu":
-            # Build (first use only, about a minute) or load our CPU kernels now rather
-            # than inside the first step.
-            cpu_kernels.load()
-        stored = quantization_config(self.model_dir)
-        if stored is not None and config.quantization != "none":
-            raise ValueError(f"{self.model_dir} is already quantized ({stored.get('rule')}); serve it with "
-                             f"quantization 'none', or quantize its float source instead")
-        # Refused here, before any weight is read: e.g. more pipeline stages than layers.
-        self.placement_plan = plan_weights(config.load_mode, device, config.devices, model_config.num_layers)
-        started = time.perf_counter()
-        self.model = load_model(self.model_dir, device, config.dtype, max_positions=max_model_len,
-                                placement=self.placement_plan)
-        attach_placement(self.model, self.placement_plan)
-        self.load_seconds = time.perf_counter() - started  # read + placed (pinning, slots); quantization apart
-        log.info("load_mode %s: weights loaded and placed in %.2f s (%s)", config.load_mode, self.load_seconds,
-                 self.placement_plan.describe())
-        self.model_config = self.model.config
-        self.device = device
-        dtype = resolve_dtype(config.dtype, device, model_config)
-        # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
-        self.output_device = self.model.output_device
-        self.sampler = Sampler(self.output_device, seed=config.seed)
-        num_blocks = self._num_kv_blocks(dtype, max_model_len)
-        self.kv_caches = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
-                                           self.model.layer_devices)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
-        ), self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, config.max_num_batched_tokens,
-                                  config.max_num_seqs, max_model_len, self.sampler, ATTENTION[config.attention])
+    def __init__(self, parts: EngineParts):
+        self.config = parts.config
+        self.model_dir = parts.model_dir
+        self.model = parts.model
+        self.model_config = parts.model.config
+        self.device = parts.device
+        self.output_device = parts.model.output_device
+        self.max_model_len = parts.max_model_len
+        self.sampler = parts.sampler
+        self.kv_caches = parts.kv_caches
+        self.block_manager = parts.block_manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.placement_plan = parts.placement_plan
+        self.load_seconds = parts.load_seconds
+        self.quantization_report = parts.quantization_report
+        self.calibration = parts.calibration
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: list[Request] = []
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a forward
-        self._bytes_per_block = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) // num_blocks
-        # Quantized last: calibration runs the float model through this engine's own generate.
-        self.quantization_report = self.calibration = None
-        if config.quantization != "none":
-            self._quantize()
-            # Quantization replaced layer tensors: on_demand's pinned host copies and slots are rebuilt.
-            attach_placement(self.model, self.placement_plan)
-        if device.type == "cpu" and config.load_mode != "on_demand":
-            # The weights are final: keep only our kernel's packed copies (on demand, slots copy
-            # from the float host weights; a tied head shares the embedding, which stays).
-            tied = (self.model.lm_head,) if model_config.tie_word_embeddings else ()
-            released = release_float_weights(self.model, keep=tied)
-            log.info("%d float32 linear weights kept only as packed panels", released)
-        log.info("engine ready: %s on %s, %d KV blocks of %d tokens", self.model_dir, device, num_blocks,
-                 config.block_size)
+        self._bytes_per_block = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) // self.block_manager.num_blocks
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, **overrides) -> "Engine":
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None, **overrides) -> "Engine":
+        """Build from a folder; `overrides` take the names (and values) of the `[worker]` TOML keys
+        that configure the engine, converted and checked the same way."""
         names = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(names)}")
-        return cls(model_dir, EngineConfig(**overrides))
-
-    def _num_kv_blocks(self, dtype: torch.dtype, max_model_len: int) -> int:
-        config = self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if self.device.type == "cuda":
-            probe = ModelRunner(self.model, [], config.block_size, config.max_num_batched_tokens,
-                                config.max_num_seqs, max_model_len, self.sampler)
-            # Sharded: each device holds the KV of its own layers; the pool is what the tightest fits.
-            layers_per_device = collections.Counter(self.model.layer_devices)
-            for device in layers_per_device:
-                torch.cuda.reset_peak_memory_stats(device)
-            probe.profile_peak_memory()
-            for device in layers_per_device:
-                torch.cuda.synchronize(device)
-            del probe
-            return min(num_blocks_from_free_cuda_memory(self.model_config, config.block_size, dtype, device,
-                                                        config.gpu_memory_utilization, num_layers)
-                       for device, num_layers in layers_per_device.items())
-        return num_blocks_for_budget(self.model_config, config.block_size, dtype, config.kv_cache_bytes)
-
-    def _quantize(self) -> None:
-        config = self.config
-        rule = config.quantization_rule_parsed()
-        input_scales = None
-        if config.quantization_calibration != "none":
-            self.calibration, _ = load_or_calibrate(self, rule, CalibrationSettings(source=config.quantization_calibration))
-            input_scales = self.calibration.input_scales
-        report = self.quantization_report = quantize_model(self.model, rule, input_scales=input_scales)
-        self.block_manager.reset_prefix_cache()  # K/V the float model computed
-        log.info("quantized %s (%s): %s, %.1f MiB -> %.1f MiB of weights, paths %s", config.quantization, rule.text,
-                 report.num_quantized, report.float_bytes / 2**20, report.quantized_bytes / 2**20, report.paths)
+        if config is None:
+            config = build_section(EngineConfig, overrides)
+        elif overrides:
+            raise TypeError("pass either an EngineConfig or overrides, not both")
+        return build_engine(model_dir, config, cls)
 
     # ---- the per-step API -------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -191,9 +105,7 @@ class Engine:
             raise RequestRejectedError(f"request {request_id!r} already has {len(outputs)} of its "
                                        f"max_tokens={params.max_tokens} output tokens")
         request = Request(request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
-                          eos_token_ids=self.model_config.eos_token_ids)
-        for token_id in outputs:
-            request.append_token(token_id)
+                          eos_token_ids=self.model_config.eos_token_ids, output_token_ids=outputs)
         self.scheduler.add(request)
         if params.seed is not None:
             self._generators[request_id] = make_generator(params.seed, self.output_device)
@@ -208,64 +120,47 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborted)
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration; returns an output for each request that advanced or ended."""
-        outputs = [_output(r, []) for r in self._aborted]
+    def step(self) -> list[RequestDelta]:
+        """One iteration; returns a delta for each request that advanced or ended."""
+        deltas = [delta_for(r) for r in self._aborted]
         self._aborted.clear()
         schedule = self.scheduler.schedule()
         if not schedule.scheduled:
-            return outputs
-        copy_blocks(self.kv_caches, self.block_manager.take_block_copies())
-        seqs = []
-        for item in schedule.scheduled:
-            r = item.request
-            start = r.num_computed_tokens
-            generator = self._generators.get(r.request_id)
-            needs_sample = start + item.num_new_tokens == r.num_tokens
-            block_table = self.block_manager.block_table(r.request_id)
-            r.peak_num_blocks = max(r.peak_num_blocks, len(block_table))
-            seqs.append(SequenceStep(
-                new_token_ids=r.token_ids[start:start + item.num_new_tokens],
-                context_len=start,
-                block_table=block_table,
-                needs_sample=needs_sample,
-                params=r.params,
-                generator=generator,
-                token_history=r.token_ids,
-                seed=token_seed(r.params.seed, r.num_output_tokens) if generator is not None and needs_sample else None,
-            ))
+            return deltas
+        seqs = [self._sequence_step(item) for item in schedule.scheduled]
         results = self.runner.execute_splitting(seqs)
         self.num_steps += 1
-        for item, seq, result in zip(schedule.scheduled, seqs, results):
-            if isinstance(result, OutOfMemory):
-                outputs.append(self._fail_out_of_memory(item.request, seq, result))
-            else:
-                outputs.extend(self._update(item.request, item.num_new_tokens, result))
-        return outputs
+        results = [self._failure(item, seq, r) if isinstance(r, OutOfMemory) else r
+                   for item, seq, r in zip(schedule.scheduled, seqs, results)]
+        for update in self.scheduler.update(schedule.scheduled, results):
+            request = update.request
+            if request.is_finished:
+                self._generators.pop(request.request_id, None)
+            deltas.append(delta_for(request, update.new_token_id, with_timings=update.is_first_token))
+        return deltas
 
-    def _fail_out_of_memory(self, request: Request, seq: SequenceStep, result: OutOfMemory) -> RequestOutput:
-        error = (f"out of memory: request {request.request_id!r} does not fit on this worker even alone "
+    def _sequence_step(self, item: ScheduledRequest) -> SequenceStep:
+        r = item.request
+        start = r.num_computed_tokens
+        generator = self._generators.get(r.request_id)
+        needs_sample = start + item.num_new_tokens == r.num_tokens
+        return SequenceStep(
+            new_token_ids=r.token_ids[start:start + item.num_new_tokens],
+            context_len=start,
+            block_table=self.block_manager.block_table(r.request_id),
+            needs_sample=needs_sample,
+            params=r.params,
+            generator=generator,
+            token_history=r.token_ids,
+            seed=token_seed(r.params.seed, r.num_output_tokens) if generator is not None and needs_sample else None,
+        )
+
+    @staticmethod
+    def _failure(item: ScheduledRequest, seq: SequenceStep, result: OutOfMemory) -> StepFailure:
+        error = (f"out of memory: request {item.request.request_id!r} does not fit on this worker even alone "
                  f"({len(seq.new_token_ids)} new tokens on {seq.context_len} of context); {result.error}")
         log.error("%s", error)
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, error)
-        self._generators.pop(request.request_id, None)
-        return _output(request, [])
-
-    def _update(self, request: Request, num_new_tokens: int, result) -> list[RequestOutput]:
-        request.num_computed_tokens += num_new_tokens
-        self.block_manager.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
-        if result is None:
-            return []
-        token_id, logprob = result
-        request.append_token(token_id, logprob if request.params.logprobs else None)
-        is_first = request.first_token_s is None
-        if is_first:
-            request.first_token_s = time.monotonic()
-        status = request.stop_status()
-        if status is not None:
-            self.scheduler.finish(request, status)
-            self._generators.pop(request.request_id, None)
-        return [_output(request, [token_id], with_timings=is_first)]
+        return StepFailure(error)
 
     # ---- offline batch API --------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -291,16 +186,33 @@ class Engine:
         wanted = set(ids)
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate", unit="req") as bar:
             while len(final) < len(ids):
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
-                        final[out.request_id] = out
+                for delta in self.step():
+                    if delta.final is not None and delta.request_id in wanted:
+                        final[delta.request_id] = delta.final
                         bar.update(1)
         return [final[i] for i in ids]
 
-    # ---- memory: what the worker loop asks for and acts with ------------------------------
+    # ---- what the worker loop reads and acts with ----------------------------------------
     @property
     def num_oom_recoveries(self) -> int:
         return self.runner.num_oom_recoveries
+
+    def stats(self) -> EngineStats:
+        blocks, scheduler = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=blocks.num_free_blocks, kv_blocks_cached=blocks.num_evictable_blocks,
+            num_prefix_query_tokens=blocks.num_prefix_query_tokens, num_prefix_hit_tokens=blocks.num_prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions, num_steps=self.num_steps,
+            num_oom_recoveries=self.num_oom_recoveries)
+
+    def set_admission(self, paused: bool) -> None:
+        """Paused: waiting requests stay waiting (one is let in when nothing runs); running ones go on."""
+        self.scheduler.admission_paused = paused
+
+    def preempt_lowest(self) -> Request | None:
+        """Preempt (recompute later) the lowest-priority running request, never the last one."""
+        return self.scheduler.preempt_lowest()
 
     def kv_pool_usage(self) -> KVUsage:
         blocks = self.block_manager
@@ -349,23 +261,3 @@ class Engine:
         for r in self.scheduler.waiting:
             assert not self.block_manager.has_request(r.request_id), f"waiting {r.request_id} holds blocks"
 
-
-def _output(request: Request, new_token_ids: list[int], with_timings: bool = False) -> RequestOutput:
-    timings = {}
-    if with_timings and request.first_scheduled_s is not None:
-        timings = dict(worker_queue_ms=(request.first_scheduled_s - request.arrival_s) * 1e3,
-                       prefill_ms=(request.first_token_s - request.first_scheduled_s) * 1e3)
-    return RequestOutput(
-        request_id=request.request_id,
-        token_ids=list(request.output_token_ids),
-        new_token_ids=new_token_ids,
-        finished=request.is_finished,
-        finish_reason=request.finish_reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions,
-        logprobs=list(request.output_logprobs),
-        error=request.error,
-        peak_kv_blocks=request.peak_num_blocks,
-        **timings,
-    )

@@ -61,17 +61,3 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     return [(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
             for d in layer_devices]
 
-
-def copy_blocks(kv_caches: list[KVCache], pairs: list[tuple[int, int]]) -> None:
-    """Copy-on-write: duplicate block src into block dst in every layer."""
-    if not pairs:
-        return
-    indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one upload per device
-    for k_cache, v_cache in kv_caches:
-        device = k_cache.device
-        if device not in indices:
-            indices[device] = (torch.tensor([s for s, _ in pairs], device=device),
-                               torch.tensor([d for _, d in pairs], device=device))
-        src, dst = indices[device]
-        k_cache[dst] = k_cache[src]
-        v_cache[dst] = v_cache[src]

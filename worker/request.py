@@ -1,6 +1,6 @@
 """The worker's mutable Request and its status enum. Pure Python: no torch.
 
-Only the scheduler changes a request's status; the engine appends sampled tokens.
+Only the scheduler changes a request (status, computed tokens, sampled tokens) once it is queued.
 """
 from __future__ import annotations
 
@@ -52,12 +52,14 @@ class Request:
     error: str | None = None
     # Worker-side timings, on this process's monotonic clock (reported as durations only).
     first_scheduled_s: float | None = None  # set by the scheduler when it first runs
-    first_token_s: float | None = None  # set by the engine when it samples its first token here
+    first_token_s: float | None = None  # set by the scheduler when the first token is sampled here
     peak_num_blocks: int = 0  # the most KV blocks it held at once
 
     def __post_init__(self) -> None:
-        # prompt + output, kept as one list so a step never concatenates.
-        self.token_ids: list[int] = list(self.prompt_token_ids)
+        # prompt + output, kept as one list so a step never concatenates. Output tokens given at
+        # construction resume a request another worker started.
+        self.output_token_ids = list(self.output_token_ids)
+        self.token_ids: list[int] = list(self.prompt_token_ids) + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -70,10 +72,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:

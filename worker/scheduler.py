@@ -10,7 +10,9 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
+from shared.engine_config import EngineConfig
 from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
 
@@ -21,28 +23,45 @@ class RequestRejectedError(ValueError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    """The scheduler's slice of the engine config (shared/engine_config.py, where each setting is
+    defined and checked), with max_model_len resolved against the model."""
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     max_model_len: int = 2048
-    # Most prompt tokens one request computes in a step: bounds how long decodes wait
-    # behind a long prompt. None: the whole step budget.
-    max_prefill_chunk_tokens: int | None = None
+    max_prefill_chunk_tokens: int = EngineConfig.max_prefill_chunk_tokens  # 0: the whole step budget
     # Admission keeps this fraction of the pool free, so new requests do not force
     # preemptions of running ones on their next decode.
     admission_watermark: float = 0.01
 
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens < 1:
-            raise ValueError(f"max_prefill_chunk_tokens must be >= 1, got {self.max_prefill_chunk_tokens}")
+    @classmethod
+    def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
+        return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=max_model_len, max_prefill_chunk_tokens=config.max_prefill_chunk_tokens)
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """A scheduled request whose step could not run (out of memory even alone): it finishes with an error."""
+    error: str
+
+
+# What the runner returns per scheduled request: (token id, logprob) when the step reached its
+# last known token and sampled, None for a prompt chunk that did not, or a StepFailure.
+StepResult = tuple[int, float] | None | StepFailure
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step changed in one request, for the engine to report."""
+    request: Request
+    new_token_id: int | None  # sampled this step
+    is_first_token: bool = False  # the first token this worker sampled for it
 
 
 @dataclass(frozen=True)
@@ -163,7 +182,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.config.max_prefill_chunk_tokens is not None:
+        if self.config.max_prefill_chunk_tokens:
             num_new = min(num_new, self.config.max_prefill_chunk_tokens)
         return num_new
 
@@ -194,6 +213,33 @@ class Scheduler:
         self._enqueue(request)
 
     # ---- after the step ---------------------------------------------------------------
+    def update(self, scheduled: list[ScheduledRequest], results: Sequence[StepResult]) -> list[RequestUpdate]:
+        """Apply a step's results: advance each request's computed tokens, register its newly full
+        blocks in the prefix cache, append the sampled token, and finish the requests that hit a
+        stop condition or failed. Returns an update for each request that sampled or finished."""
+        updates = []
+        for item, result in zip(scheduled, results, strict=True):
+            request = item.request
+            request.peak_num_blocks = max(request.peak_num_blocks, self.blocks.num_blocks_held(request.request_id))
+            if isinstance(result, StepFailure):
+                self.finish(request, RequestStatus.FINISHED_ERROR, result.error)
+                updates.append(RequestUpdate(request, None))
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            if result is None:
+                continue
+            token_id, logprob = result
+            request.append_token(token_id, logprob if request.params.logprobs else None)
+            is_first = request.first_token_s is None
+            if is_first:
+                request.first_token_s = time.monotonic()
+            status = request.stop_status()
+            if status is not None:
+                self.finish(request, status)
+            updates.append(RequestUpdate(request, token_id, is_first))
+        return updates
+
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Move a live request to a terminal status and free everything it holds."""
         assert status.is_finished

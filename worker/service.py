@@ -19,10 +19,11 @@ import torch
 
 from protos import worker_pb2
 from shared.config import ClusterConfig
+from shared.engine_config import EngineConfig
 from shared.ipc import WorkerSocket, new_incarnation
 from shared.sampling_params import SamplingParams
 from shared.wire import sampling_from_wire
-from worker.engine import Engine, RequestOutput
+from worker.engine import Engine, RequestDelta
 from worker.memory import MemoryReader, MemoryReading
 from worker.scheduler import RequestRejectedError
 from worker.transport import HeartbeatThread, LoadSnapshot, LoopProgress, StaticInfo
@@ -33,17 +34,10 @@ IDLE_POLL_S = 0.05
 _PROBE_PREFIX = "\x00probe-"  # ids the gateway can never send (it rejects control characters)
 
 
-def engine_overrides(config: ClusterConfig) -> dict:
-    w = config.worker
-    return dict(device=w.device, dtype=w.dtype or None, block_size=w.block_size, quantization=w.quantization,
-                quantization_group_size=w.quantization_group_size, quantization_symmetric=w.quantization_symmetric,
-                quantization_rule=w.quantization_rule or None, quantization_calibration=w.quantization_calibration,
-                num_kv_blocks=w.num_kv_blocks or None, kv_cache_bytes=w.kv_cache_bytes,
-                gpu_memory_utilization=w.gpu_memory_utilization, max_num_seqs=w.max_num_seqs,
-                max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=w.max_model_len or None,
-                max_prefill_chunk_tokens=w.max_prefill_chunk_tokens or None,
-                enable_prefix_caching=w.enable_prefix_caching, num_threads=config.worker_threads(),
-                load_mode=w.load_mode, devices=w.devices)
+def engine_config(config: ClusterConfig) -> EngineConfig:
+    """The engine's settings of a cluster's worker: the `[worker]` section as it is, with the
+    thread count the cluster gives each worker."""
+    return config.worker.engine_config(num_threads=config.worker_threads())
 
 
 class WorkerService:
@@ -52,7 +46,7 @@ class WorkerService:
         """`engine` and `read_memory` are injectable for tests (a fake reading drives the levels)."""
         self.config = config
         self.worker_id = worker_id
-        self.engine = engine or Engine.from_model_dir(config.model_dir, **engine_overrides(config))
+        self.engine = engine or Engine.from_model_dir(config.model_dir, engine_config(config))
         self.device = self.engine.device
         # The worker's own stream: its kernels never queue behind another context's default stream.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -151,7 +145,7 @@ class WorkerService:
             log_fn("%s: %s", self.worker_id, self.watchdog.describe())
             self._level = status.level
         # Running requests go on; waiting ones wait (one is let in when nothing runs).
-        self.engine.scheduler.admission_paused = status.level >= MemoryLevel.HIGH
+        self.engine.set_admission(paused=status.level >= MemoryLevel.HIGH)
 
     def _relieve(self, level: MemoryLevel) -> MemoryStatus:
         """Free KV blocks until the reading would leave `level`: unreferenced prefix-cache blocks
@@ -161,7 +155,7 @@ class WorkerService:
             if engine.evict_prefix_cache(excess) == 0:
                 if level < MemoryLevel.CRITICAL:
                     break
-                victim = engine.scheduler.preempt_lowest()
+                victim = engine.preempt_lowest()
                 if victim is None:
                     break
                 log.warning("%s: memory CRITICAL, preempted %r (priority %d)", self.worker_id, victim.request_id,
@@ -231,7 +225,7 @@ class WorkerService:
             memory_report=memory_report)))
 
     # ---- outputs -----------------------------------------------------------------------------
-    def _emit(self, outputs: list[RequestOutput], step_ms: float) -> None:
+    def _emit(self, outputs: list[RequestDelta], step_ms: float) -> None:
         deltas = []
         for out in outputs:
             if out.request_id in self._probes:
@@ -252,12 +246,11 @@ class WorkerService:
             self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas, step_ms=step_ms)))
 
     def _publish(self) -> None:
-        engine = self.engine
-        blocks, scheduler = engine.block_manager, engine.scheduler
+        stats = self.engine.stats()
         self.heartbeat.snapshot = LoadSnapshot(
-            is_loaded=self._loaded, is_draining=self._stopping, num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting), kv_blocks_total=blocks.num_blocks,
-            kv_blocks_free=blocks.num_free_blocks, kv_blocks_cached=blocks.num_evictable_blocks,
-            num_prefix_query_tokens=blocks.num_prefix_query_tokens, num_prefix_hit_tokens=blocks.num_prefix_hit_tokens,
-            num_preemptions=scheduler.num_preemptions, num_steps=engine.num_steps,
-            num_oom_recoveries=engine.num_oom_recoveries)
+            is_loaded=self._loaded, is_draining=self._stopping, num_running=stats.num_running,
+            num_waiting=stats.num_waiting, kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_free=stats.kv_blocks_free, kv_blocks_cached=stats.kv_blocks_cached,
+            num_prefix_query_tokens=stats.num_prefix_query_tokens, num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+            num_preemptions=stats.num_preemptions, num_steps=stats.num_steps,
+            num_oom_recoveries=stats.num_oom_recoveries)

@@ -160,7 +160,7 @@ def run_to_completion(engine, timeout_s: float = 600.0) -> dict[str, object]:
             raise TimeoutError(f"engine did not finish within {timeout_s:.0f} s")
         for out in engine.step():
             if out.finished:
-                final[out.request_id] = out
+                final[out.request_id] = out.final
     return final
 
 

@@ -45,7 +45,7 @@ def run_conversations(engine, system: list[int], users: list[list[list[int]]]) -
                     if o.request_id == rid and o.new_token_ids and ttft is None:
                         ttft = time.perf_counter() - t0
                     if o.request_id == rid and o.finished:
-                        final = o
+                        final = o.final
             histories[c] = prompt + list(final.token_ids)
             records.append({"conversation": c, "turn": turn + 1, "prompt_tokens": len(prompt),
                             "cached_tokens": final.num_cached_tokens, "ttft_s": ttft,

@@ -1,0 +1,124 @@
+"""The engine's settings: one frozen, stdlib-only definition, checked when built.
+
+The `[worker]` TOML section parses into `WorkerConfig` (shared/config.py), which is an
+`EngineConfig` plus the worker process's own settings, so the engine reads the TOML's values
+directly; `Engine.from_model_dir(dir, **overrides)` builds the same class from the same names.
+Every check of a setting lives here, and a bad value fails before any weight is read.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.quantization_rule import DEFAULT_GROUP_SIZE, PRESETS, QuantizationRule
+
+LOAD_MODES = ("full", "sharded", "on_demand")
+ATTENTION_IMPLS = ("fast", "reference")
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
+_DEVICE = re.compile(rf"({'|'.join(_DEVICE_TYPES)})(:[0-9]+)?")
+
+
+class ConfigError(ValueError):
+    """A config file, flag or setting that is malformed, unknown or out of range; the message names it."""
+
+
+def check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+
+
+def device_type(name: str) -> str | None:
+    """The device type of a torch device string ("cuda:1" -> "cuda"), None if it is not one."""
+    match = _DEVICE.fullmatch(name)
+    return match.group(1) if match else None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    dtype: str = ""  # "": float32 on CPU, the checkpoint's half type on CUDA
+    num_threads: int = 0  # torch CPU threads; 0 leaves torch's default (the worker process sets it)
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: size the pool from memory
+    kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    # Most prompt tokens one request computes in a step: bounds how long decodes wait behind a
+    # long prompt. 0: the whole step budget.
+    max_prefill_chunk_tokens: int = 0
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention: str = "fast"  # "fast" or "reference" (the per-sequence loop the tests trust)
+    seed: int | None = None  # for requests without a seed of their own
+    # Weight placement (worker/model/placement.py): "full" (every weight on `device`), "sharded"
+    # (layers split in pipeline stages over `devices`) or "on_demand" (weights in host memory, each
+    # layer copied to the device as it runs: a model bigger than the device, slower).
+    load_mode: str = "full"
+    devices: tuple[str, ...] = ()  # sharded only, e.g. ["cuda:0", "cuda:1"]: one per stage, in order
+    quantization: str = "none"  # weight-only: none, int8, int4 or mixed (attention int8, MLP int4)
+    quantization_group_size: int = DEFAULT_GROUP_SIZE  # INT4 group size
+    quantization_symmetric: bool = False  # INT4 without zero points
+    quantization_rule: str = ""  # replaces mixed's "attention:int8,mlp:int4", e.g. "params>=1e6:int8,*:int4"
+    # Activation-aware scales from "self" (the model's own samples), a text file, or "none"
+    # (plain rounding). Saved beside the checkpoint (or in ~/.cache) and reused at the next start.
+    quantization_calibration: str = "self"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))  # a list from TOML or a caller
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            check(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
+        for name in ("num_threads", "num_kv_blocks", "kv_cache_bytes", "max_prefill_chunk_tokens", "max_model_len"):
+            check(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+              "in (0, 1]")
+        check(self.device == "auto" or device_type(self.device) is not None, "device", self.device,
+              f"auto or a device ({', '.join(_DEVICE_TYPES)}, optionally :N)")
+        check(self.dtype in ("", "float32", "float16", "bfloat16"), "dtype", self.dtype,
+              'empty (the device\'s default), "float32", "float16" or "bfloat16"')
+        check(self.attention in ATTENTION_IMPLS, "attention", self.attention, "one of " + ", ".join(ATTENTION_IMPLS))
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
+              self.seed, "an integer or unset")
+        self._validate_load_mode()
+        self._validate_quantization()
+
+    def _validate_load_mode(self) -> None:
+        check(self.load_mode in LOAD_MODES, "load_mode", self.load_mode, f"one of {list(LOAD_MODES)}")
+        if self.load_mode != "sharded":
+            check(not self.devices, "devices", self.devices,
+                  f"empty unless load_mode is sharded: devices are only for load_mode 'sharded' (load_mode is "
+                  f"{self.load_mode!r}; use `device` for one device)")
+            return
+        check(len(self.devices) >= 2, "devices", self.devices,
+              "at least 2 devices with load_mode 'sharded' (one per pipeline stage)")
+        types = set()
+        for i, name in enumerate(self.devices):
+            kind = device_type(name) if isinstance(name, str) else None
+            check(kind is not None, f"devices[{i}]", name, f"a device ({', '.join(_DEVICE_TYPES)}, optionally :N): "
+                  f"devices[{i}] = {name!r} is not a device")
+            types.add(kind)
+        # One dtype, one sampler and one kind of memory accounting per worker.
+        check(len(types) == 1, "devices", self.devices, "sharded devices that must all be of one type")
+        check(self.device == "auto" or device_type(self.device) in types, "device", self.device,
+              f"auto with load_mode 'sharded' (the first of devices takes the inputs); {self.device!r} "
+              f"contradicts devices={self.devices}")
+
+    def _validate_quantization(self) -> None:
+        check(self.quantization in PRESETS, "quantization", self.quantization, f"one of {sorted(PRESETS)}")
+        check(self.quantization_group_size >= 2 and self.quantization_group_size % 2 == 0,
+              "quantization_group_size", self.quantization_group_size, "an even number >= 2")
+        check(self.quantization_calibration in ("self", "none") or os.path.isfile(self.quantization_calibration),
+              "quantization_calibration", self.quantization_calibration, "self, none or an existing text file")
+        try:
+            self.quantization_rule_parsed()
+        except ValueError as e:
+            raise ConfigError(f"quantization_rule must be a valid rule, got {self.quantization_rule!r}: {e}") from None
+
+    def quantization_rule_parsed(self) -> QuantizationRule:
+        return QuantizationRule.preset(self.quantization, self.quantization_rule or None,
+                                       group_size=self.quantization_group_size, symmetric=self.quantization_symmetric)

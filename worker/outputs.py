@@ -1,0 +1,83 @@
+"""What the engine reports: a delta per request per step, and a request's final result, built once.
+
+A step's `RequestDelta` carries only what that step added (so a step costs the same whatever
+a request's length); the finished delta carries the request's `RequestOutput`, assembled once
+from the worker's `Request` when it finishes. Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.request import Request
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request: every generated token, as `Engine.generate` returns it."""
+    request_id: str
+    token_ids: list[int]  # every generated token, resumed ones included
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    logprobs: list[float] = field(default_factory=list)  # one per sampled token when requested
+    error: str | None = None
+    peak_kv_blocks: int = 0  # the most KV blocks the request held at once
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One request's share of one step: the tokens it sampled, or that it ended."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    error: str | None = None
+    # Worker-side durations, only on the delta carrying the first token sampled here.
+    worker_queue_ms: float = 0.0  # arrival on this worker to the first scheduled step
+    prefill_ms: float = 0.0  # first scheduled step to the first token
+    peak_kv_blocks: int = 0
+    final: RequestOutput | None = None  # set on the finished delta
+
+
+def delta_for(request: Request, new_token_id: int | None = None, with_timings: bool = False) -> RequestDelta:
+    timings = {}
+    if with_timings and request.first_scheduled_s is not None and request.first_token_s is not None:
+        timings = dict(worker_queue_ms=(request.first_scheduled_s - request.arrival_s) * 1e3,
+                       prefill_ms=(request.first_token_s - request.first_scheduled_s) * 1e3)
+    new_logprobs = []
+    if new_token_id is not None and request.params.logprobs and request.output_logprobs:
+        new_logprobs = [request.output_logprobs[-1]]
+    return RequestDelta(
+        request_id=request.request_id,
+        new_token_ids=[] if new_token_id is None else [new_token_id],
+        new_logprobs=new_logprobs,
+        finished=request.is_finished,
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+        error=request.error,
+        peak_kv_blocks=request.peak_num_blocks,
+        final=final_output(request) if request.is_finished else None,
+        **timings,
+    )
+
+
+def final_output(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+        logprobs=list(request.output_logprobs),
+        error=request.error,
+        peak_kv_blocks=request.peak_num_blocks,
+    )
