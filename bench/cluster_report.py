@@ -1,5 +1,5 @@
-"""The cluster-vs-engine benchmark's report: medians and ratios over repeats, the targets of
-issue 3, and the printed tables. Pure arithmetic and printing over LoadResults; runs nothing."""
+"""The cluster-vs-engine benchmark's report: medians and ratios over repeats, its targets
+(docs/benchmarks.md), and the printed tables. Pure arithmetic and printing over LoadResults; runs nothing."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import psutil
 
 # Share of the machine's CPU time used by other processes above which a phase's timing is flagged. A descheduled
-# partner thread can slow elementwise ops 10-100x, so even modest foreign load distorts results.
+# partner thread stalls every parallel region (docs/benchmarks.md), so even modest foreign load distorts results.
 FOREIGN_LOAD_WARN = 0.10
 
 

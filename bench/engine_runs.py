@@ -79,10 +79,10 @@ def run_throughput_paired(engine, requests: list[Request], warmup: list[Request]
                           measure_gflops, timed: Timed = nullcontext) -> list[PairedRun]:
     """(c) `repeats` times over, each run between two measurements of the matmul rate.
 
-    On this shared VM the matmul rate moves by a third over minutes (116-167 GFLOP/s in one
-    session) and the engine with it, so a run's fraction of the compute bound is taken against
-    the rate measured around that run, not against a lucky moment minutes away. Our run takes
-    ~15 s where the baselines take minutes, so it alone can afford the repeats."""
+    On a shared VM the matmul rate moves over minutes (docs/benchmarks.md) and the engine with
+    it, so a run's fraction of the compute bound is taken against the rate measured around that
+    run, not against a lucky moment minutes away. Our run is short where the baselines take
+    minutes, so it alone can afford the repeats."""
     paired = []
     for _ in range(max(1, repeats)):
         before = measure_gflops()

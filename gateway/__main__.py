@@ -1,32 +1,72 @@
-"""`python -m gateway [--config FILE] [overrides]`: run the gateway until SIGTERM (exit 0 after draining)."""
+"""`python -m gateway [--supervise] [--config FILE] [overrides]`: run the gateway until SIGTERM
+(exit 0 after draining).
+
+With `--supervise` (the Procfile's entry) this process is only a supervisor
+(shared/supervisor.py): it runs `python -m gateway` without the flag as its child and restarts
+it whenever it exits, so a gateway crash, kill -9 or SIGTERM to the gateway alone never ends
+`honcho start` and with it the workers; they reconnect to the restarted gateway by themselves.
+SIGTERM/SIGINT to the supervisor drain the gateway, then both exit 0.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
-from shared.config import ConfigError, add_config_flags, config_from_args
+from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args
 from shared.cpu_affinity import GATEWAY, pin_process
+from shared.ipc import EndpointInUseError, ipc_listener_alive, remove_stale_ipc_socket
+from shared.supervisor import supervise
+
+SUPERVISE_FLAG = "--supervise"
+# Past the drain grace: the gateway's own gRPC stop (1 s) and dispatcher shutdown.
+STOP_SLACK_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
+    parser.add_argument(SUPERVISE_FLAG, action="store_true",
+                        help="run as a supervisor that restarts the gateway process whenever it exits")
     add_config_flags(parser)
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
     except ConfigError as e:
         parser.error(str(e))
+    if args.supervise:
+        return run_supervisor(config, [a for a in argv if a != SUPERVISE_FLAG])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+    log = logging.getLogger("gateway")
+    try:
+        if remove_stale_ipc_socket(config.worker_endpoint):
+            log.info("removed the stale socket a gateway that did not close left at %s", config.worker_endpoint)
+    except (EndpointInUseError, ValueError) as e:
+        log.error("%s", e)
+        return 2
     if cores := pin_process(GATEWAY, config):
-        logging.getLogger("gateway").info("pinned to cores %s (worker.reserved_cores)", cores)
+        log.info("pinned to cores %s (worker.reserved_cores)", cores)
     from gateway.server import Gateway
 
     async def run() -> int:
         return await Gateway(config).serve()
 
     return asyncio.run(run())
+
+
+def run_supervisor(config: ClusterConfig, child_args: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor gateway %(levelname)s %(message)s")
+    endpoint = config.worker_endpoint
+    # A second cluster started on the same run_dir stops here, once, instead of its gateway
+    # failing the same check in a restart loop.
+    if endpoint.startswith("ipc://") and ipc_listener_alive(Path(endpoint[len("ipc://"):])):
+        logging.getLogger("supervisor").error("another gateway is already listening at %s (same run_dir)", endpoint)
+        return 2
+    # The restart policy is the workers' (worker.restart_backoff_s): one supervisor, one policy.
+    return supervise("gateway", [sys.executable, "-m", "gateway", *child_args], config.worker.restart_backoff_s,
+                     config.worker.max_restart_backoff_s, stop_timeout_s=config.gateway.drain_grace_s + STOP_SLACK_S)
 
 
 if __name__ == "__main__":

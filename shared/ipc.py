@@ -4,10 +4,18 @@ The gateway binds one ROUTER socket; each worker connects a DEALER whose routing
 worker id (so the gateway can address it), and a worker's heartbeat thread connects a second,
 anonymous DEALER (sockets are not thread-safe). Every frame is one `worker_pb2.Envelope`;
 nothing is ever pickled. No torch and no grpc here.
+
+A gateway restart needs nothing from the workers: their DEALERs reconnect on their own
+(ZeroMQ retries every 100 ms) once the new gateway binds, and their next heartbeats register
+them with it. What a gateway killed without closing leaves behind is its socket file, which
+`remove_stale_ipc_socket` clears before the next bind.
 """
 from __future__ import annotations
 
+import errno
 import os
+import socket
+import stat
 import uuid
 from pathlib import Path
 
@@ -63,6 +71,51 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
+class EndpointInUseError(RuntimeError):
+    """Another live process already listens at the gateway's ipc:// endpoint."""
+
+
+def ipc_listener_alive(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (False: none, or stale)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError as e:
+        # A full backlog still means someone listens.
+        return isinstance(e, TimeoutError) or e.errno == errno.EAGAIN
+    finally:
+        probe.close()
+
+
+def remove_stale_ipc_socket(endpoint: str) -> bool:
+    """Before binding: remove the socket file a gateway that died without closing (kill -9)
+    left at an ipc:// endpoint. True if one was removed.
+
+    ZeroMQ's bind would unlink any file there silently, live or not; a second gateway on the
+    same run_dir would then take every worker's next connection away from the first. So a
+    socket someone still listens on raises EndpointInUseError, and a file that is not a
+    socket is left alone (ValueError) rather than deleted."""
+    if not endpoint.startswith("ipc://"):
+        return False
+    path = Path(endpoint[len("ipc://"):])
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path} exists and is not a socket; the gateway would bind over it. Remove it or "
+                         f"choose another run_dir")
+    if ipc_listener_alive(path):
+        raise EndpointInUseError(f"another gateway is already listening at {endpoint} (same run_dir); stop it "
+                                 f"or choose another run_dir")
+    path.unlink(missing_ok=True)
+    return True
+
+
 class GatewaySocket:
     """The gateway's ROUTER: receives every worker's frames, sends to a worker by id."""
 
@@ -114,9 +167,6 @@ class WorkerSocket:
         self.socket.connect(check_endpoint(endpoint))
         self.worker_id = worker_id
         self.incarnation = incarnation
-
-    def envelope(self) -> worker_pb2.Envelope:
-        return worker_pb2.Envelope(worker_id=self.worker_id, incarnation=self.incarnation)
 
     def send(self, envelope: worker_pb2.Envelope) -> bool:
         """False when the gateway is unreachable and the frame was dropped."""

@@ -17,6 +17,12 @@ from protos import inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 180.0  # a first start compiles the CPU kernels
+# The served checkpoint's context (conftest.served_checkpoint) and a generation that fills most
+# of it and of the test clusters' 128 KV blocks of 16: long enough to keep the worker busy well
+# past a test's short deadlines on a fast engine, which tests of deadlines, draining and queueing
+# behind a busy worker rely on.
+SERVED_MAX_POSITIONS = 2048
+LONG_MAX_TOKENS = 2000
 
 
 def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_workers: int,
@@ -32,15 +38,17 @@ def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_work
 
 class Cluster(ClusterProcess):
     """A ClusterProcess with the tests' defaults (1 torch thread and 128 KV blocks per worker,
-    metrics on a free port), an open channel and stub, and supervised workers on request."""
+    metrics on a free port), an open channel and stub, and supervised workers (and gateway) on
+    request."""
 
     def __init__(self, model_dir: Path, num_workers: int = 2, supervised: bool = False,
-                 sections: dict[str, dict] | None = None):
+                 sections: dict[str, dict] | None = None, supervised_gateway: bool = False):
         self.metrics_port = free_port()
         sections = {k: dict(v) for k, v in (sections or {}).items()}
         sections["gateway"] = {"metrics_port": self.metrics_port, **sections.get("gateway", {})}
         sections["worker"] = {"num_threads": 1, "num_kv_blocks": 128, **sections.get("worker", {})}
         super().__init__(model_dir, num_workers, sections,
+                         gateway_module=["gateway", "--supervise"] if supervised_gateway else None,
                          worker_module=["worker.supervisor"] if supervised else None)
         self.channel: grpc.Channel | None = None
         self.stub: inference_pb2_grpc.InferenceServiceStub | None = None
@@ -63,6 +71,15 @@ class Cluster(ClusterProcess):
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info["cmdline"] or []
             if cmd[1:3] == ["-m", "worker"] and worker_id in cmd and str(self.config_path) in cmd:
+                pids.append(p.pid)
+        return pids
+
+    def gateway_pids(self) -> list[int]:
+        """The pids of this cluster's gateway processes (`python -m gateway`, not its supervisor)."""
+        pids = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if cmd[1:3] == ["-m", "gateway"] and "--supervise" not in cmd and str(self.config_path) in cmd:
                 pids.append(p.pid)
         return pids
 

@@ -49,7 +49,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def served_checkpoint(tmp_path_factory):
     """A tiny llama checkpoint with a tokenizer beside it: what a cluster test serves."""
+    from cluster_harness import SERVED_MAX_POSITIONS
     from tokenizer_fixture import make_tokenizer
-    path = make_checkpoint(tmp_path_factory.mktemp("served") / "llama", "llama", vocab_size=320)
+    path = make_checkpoint(tmp_path_factory.mktemp("served") / "llama", "llama", vocab_size=320,
+                           max_position_embeddings=SERVED_MAX_POSITIONS)
     make_tokenizer(path, vocab_size=320)
     return path

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster_harness import Cluster, generate
+from cluster_harness import SERVED_MAX_POSITIONS, Cluster, generate
 from gateway.tokenizer import Tokenizer
 from protos import inference_pb2
 
@@ -99,7 +99,8 @@ def test_stop_string_ends_the_text_before_it(cluster, tokenizer):
 
 
 def test_truncate_keeps_the_last_tokens(cluster):
-    long_prompt = list(range(3, 300)) * 2  # 594 tokens: over the 512-token context
+    long_prompt = list(range(3, 300)) * 7
+    assert len(long_prompt) > SERVED_MAX_POSITIONS
     with pytest.raises(grpc.RpcError) as e:
         generate(cluster.stub, prompt_token_ids=long_prompt, sampling=dict(max_tokens=4))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -120,13 +121,13 @@ BAD_INPUTS = [
      "max_tokens"),
     ("max_tokens negative", dict(prompt="hi", sampling=dict(max_tokens=-3)), grpc.StatusCode.INVALID_ARGUMENT,
      "max_tokens"),
-    ("max_tokens beyond context", dict(prompt="hi", sampling=dict(max_tokens=600)),
+    ("max_tokens beyond context", dict(prompt="hi", sampling=dict(max_tokens=SERVED_MAX_POSITIONS + 1)),
      grpc.StatusCode.INVALID_ARGUMENT, "context"),
     ("negative temperature", dict(prompt="hi", sampling=dict(temperature=-0.5)), grpc.StatusCode.INVALID_ARGUMENT,
      "temperature"),
     ("top_p zero", dict(prompt="hi", sampling=dict(top_p=0.0)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     ("top_p above one", dict(prompt="hi", sampling=dict(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    ("prompt over context", dict(prompt_token_ids=[5] * 600), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    ("prompt over context", dict(prompt_token_ids=[5] * (SERVED_MAX_POSITIONS + 1)), grpc.StatusCode.INVALID_ARGUMENT, "context"),
     ("bad role", dict(messages=[inference_pb2.ChatMessage(role="robot", content="x")]),
      grpc.StatusCode.INVALID_ARGUMENT, "role"),
     ("bad request id", dict(prompt="hi", request_id="has space"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),

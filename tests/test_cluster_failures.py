@@ -1,8 +1,10 @@
 """Failures: kill -9 of a worker mid-stream, SIGTERM drain of the gateway, and the whole
-cluster under `honcho start` surviving a crashed model process."""
+cluster under `honcho start` surviving a crashed model process and a killed gateway
+(tests/test_gateway_restart.py has the gateway's restart in detail)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import grpc
 import psutil
 import pytest
 
-from cluster_harness import ROOT, Cluster, _kill_group, generate
+from cluster_harness import Cluster, LONG_MAX_TOKENS, ROOT, _kill_group, generate
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(400)
@@ -78,7 +80,7 @@ def test_streams_end_unavailable_when_no_worker_is_left(served_checkpoint):
     with Cluster(served_checkpoint, num_workers=1) as cluster:
         results: dict = {}
         threads = run_streams(cluster, {"only": dict(prompt_token_ids=[5, 6], sampling=dict(
-            max_tokens=480, ignore_eos=True))}, results)
+            max_tokens=LONG_MAX_TOKENS, ignore_eos=True))}, results)
         deadline = time.monotonic() + 30
         while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -95,10 +97,9 @@ def test_streams_end_unavailable_when_no_worker_is_left(served_checkpoint):
 def test_sigterm_drains_the_gateway(served_checkpoint):
     with Cluster(served_checkpoint, num_workers=1, sections={"gateway": {"drain_grace_s": 60.0}}) as cluster:
         results: dict = {}
-        # As long as the tiny model's context allows, so the streams are still running when the probe
-        # below arrives (200 tokens could all be out within the probe's 0.2 s on a fast engine).
+        # Long enough that the streams are still running when the probe below arrives.
         threads = run_streams(cluster, {f"s{i}": dict(prompt_token_ids=[5, i + 6], sampling=dict(
-            max_tokens=480, temperature=0.0, ignore_eos=True)) for i in range(3)}, results)
+            max_tokens=LONG_MAX_TOKENS, temperature=0.0, ignore_eos=True)) for i in range(3)}, results)
         deadline = time.monotonic() + 30
         while cluster.status().workers[0].num_running < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -112,22 +113,24 @@ def test_sigterm_drains_the_gateway(served_checkpoint):
             t.join(timeout=60)
         for name, got in results.items():
             assert not isinstance(got, Exception), (name, got)
-            assert len(got[0]) == 480 and got[2].finish_reason == inference_pb2.FINISH_REASON_LENGTH
+            assert len(got[0]) == LONG_MAX_TOKENS and got[2].finish_reason == inference_pb2.FINISH_REASON_LENGTH
         assert gateway.wait(timeout=30) == 0
 
 
-def test_honcho_start_keeps_the_cluster_up_when_a_model_process_dies(served_checkpoint, tmp_path):
+def test_honcho_start_keeps_the_cluster_up_when_a_model_process_or_the_gateway_dies(served_checkpoint):
+    """The repository's own Procfile under `honcho start`, with only the interpreter and the config
+    swapped for the test's: a kill -9 of a model process or of the gateway process stops nothing,
+    and SIGTERM to honcho stops every entry with status 0 and leaves no process behind."""
     cluster = Cluster(served_checkpoint, num_workers=2)  # used for its config, channel and helpers only
-    python = sys.executable
     config = cluster.config_path
     procfile = cluster.run_dir / "Procfile"
-    procfile.write_text(
-        f"gateway: exec {python} -m gateway --config {config}\n"
-        f"worker0: exec {python} -m worker.supervisor --config {config} --worker-id worker-0\n"
-        f"worker1: exec {python} -m worker.supervisor --config {config} --worker-id worker-1\n")
-    log = open(cluster.run_dir / "honcho.log", "wb")
-    honcho = subprocess.Popen([python, "-m", "honcho", "start", "-f", str(procfile), "-d", str(ROOT)],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    procfile.write_text((ROOT / "Procfile").read_text().replace(".venv/bin/python", sys.executable)
+                        .replace("configs/default.toml", str(config)))
+    log_path = cluster.run_dir / "honcho.log"
+    log = open(log_path, "wb")
+    honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(procfile), "-d", str(ROOT)],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, "MODEL": str(served_checkpoint)})
     cluster.procs["honcho"] = honcho
     try:
         cluster.connect()
@@ -140,15 +143,32 @@ def test_honcho_start_keeps_the_cluster_up_when_a_model_process_dies(served_chec
         assert ids
         status = cluster.wait_ready(timeout_s=120)
         assert status.workers[0].num_restarts >= 1
-        # Stopping honcho stops everything: supervisors pass SIGTERM on to their model processes.
+        # The gateway next: its supervisor starts another, which both workers serve, models still loaded.
+        models = {w: cluster.model_pids(w) for w in ("worker-0", "worker-1")}
+        [gateway] = cluster.gateway_pids()
+        os.kill(gateway, signal.SIGKILL)
+        time.sleep(1.0)
+        assert honcho.poll() is None, "honcho stopped the cluster with the gateway"
+        cluster.channel.close()
+        cluster.connect()
+        status = cluster.wait_ready(timeout_s=30)
+        assert cluster.gateway_pids() not in ([], [gateway])
+        assert {w: cluster.model_pids(w) for w in models} == models, "a worker reloaded its model"
+        assert generate(cluster.stub, prompt="still up", sampling=dict(max_tokens=3))[0]
+        # Stopping honcho stops everything: each supervisor drains its process and exits 0.
         honcho.send_signal(signal.SIGTERM)
         honcho.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (cluster.model_pids("worker-0") or cluster.model_pids("worker-1")):
+        while time.monotonic() < deadline and (cluster.model_pids("worker-0") or cluster.model_pids("worker-1")
+                                               or cluster.gateway_pids()):
             time.sleep(0.1)
         assert not cluster.model_pids("worker-0") and not cluster.model_pids("worker-1")
+        assert not cluster.gateway_pids()
         leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(config) in (p.info["cmdline"] or [])]
         assert not leftovers
+        log.flush()
+        stops = dict(re.findall(r"(\S+) stopped \(rc=(-?\d+)\)", log_path.read_text(errors="replace")))
+        assert set(stops) >= {"gateway.1", "worker0.1", "worker1.1"} and set(stops.values()) == {"0"}, stops
     finally:
         cluster.stop()
         log.close()

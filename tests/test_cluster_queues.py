@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from cluster_harness import Cluster, generate
+from cluster_harness import Cluster, LONG_MAX_TOKENS, generate
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,7 +25,7 @@ def cluster(served_checkpoint):
         yield c
 
 
-def blocker(cluster, max_tokens=480):
+def blocker(cluster, max_tokens=LONG_MAX_TOKENS):
     """A long request that occupies the only slot; returns its stream after its first token."""
     request = inference_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=inference_pb2.SamplingOptions(
         max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
@@ -94,9 +94,9 @@ def test_queue_time_limit_fails_interactive_traffic_fast(cluster):
 
 
 def test_deadline_while_running_aborts_on_the_worker(cluster):
-    with pytest.raises(grpc.RpcError) as e:  # 480 tokens take several times this deadline
+    with pytest.raises(grpc.RpcError) as e:  # the long generation takes many times this deadline
         generate(cluster.stub, timeout=0.3, prompt_token_ids=[5, 6, 7],
-                 sampling=dict(max_tokens=480, ignore_eos=True))
+                 sampling=dict(max_tokens=LONG_MAX_TOKENS, ignore_eos=True))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(cluster, timeout_s=5)  # its blocks were freed on the worker
 

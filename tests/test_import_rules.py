@@ -33,7 +33,7 @@ PURE_PYTHON = ["worker/request.py", "worker/block_manager.py", "worker/scheduler
                "shared/engine_config.py"]
 PURE_BANNED = {"torch", "numpy"}
 # Modules whose own imports are the standard library only (no project module either).
-STDLIB_ONLY = ["worker/block_manager.py", "shared/quantization_rule.py"]
+STDLIB_ONLY = ["worker/block_manager.py", "shared/quantization_rule.py", "shared/supervisor.py"]
 
 
 # ---- reading imports --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The experiments in issue 7's order: number, name and module. The runner imports a module only
+"""The experiments in docs/experiments.md's order: number, name and module. The runner imports a module only
 when its experiment is asked for, so one experiment's imports never slow another's start."""
 
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""Keep one child process running: restart it whenever it exits, pass stop signals on to it.
+
+`honcho start` stops the whole cluster as soon as any Procfile entry exits, so every entry (the
+gateway and each worker) is one of these: a small process that holds no model, no socket and no
+request, and restarts its child (`python -m gateway`, `python -m worker`) whenever it dies, with
+exponential backoff for crash loops. SIGTERM/SIGINT to the supervisor are passed on to the child,
+which drains and exits; the supervisor then exits 0 (1 if the child had to be killed or failed
+its drain). A child outlives neither a stop nor its supervisor: if the supervisor itself is
+killed, the kernel sends the child SIGTERM (Linux), so no model process is left orphaned.
+
+Standard library only: a supervisor must start in milliseconds and must not fail on whatever
+breaks its child.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger("supervisor")
+STOP_TIMEOUT_S = 15.0  # after SIGTERM, how long the child may take before it is killed
+STABLE_RUN_S = 30.0  # a run this long resets the backoff
+_PR_SET_PDEATHSIG = 1
+# Exit statuses of a child that stopped because it was asked to: a child still starting up has
+# not installed its handlers yet, and dies of the signal itself.
+_CLEAN_STOPS = {0, -signal.SIGTERM, -signal.SIGINT}
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved before any fork: the child runs the pre-exec hook between fork and exec, where
+# loading a library could deadlock on a lock another thread held at fork time.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies, even by SIGKILL."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the supervisor died before the request above took hold
+        os._exit(1)
+
+
+class Supervisor:
+    def __init__(self, name: str, child_argv: list[str], backoff_s: float, max_backoff_s: float,
+                 stop_timeout_s: float = STOP_TIMEOUT_S, stable_run_s: float = STABLE_RUN_S):
+        self.name = name
+        self.child_argv = child_argv
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.stop_timeout_s = stop_timeout_s
+        self.stable_run_s = stable_run_s
+        self.stopping = threading.Event()
+        self.child: subprocess.Popen | None = None
+        self._child_told = False  # this child has had its SIGTERM: once is enough
+        self.num_starts = 0
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    def stop(self, signum=None, _frame=None) -> None:
+        self.stopping.set()
+        self._signal_child(signal.SIGTERM)
+
+    def _signal_child(self, sig: int) -> None:
+        child = self.child
+        if child is None or child.poll() is not None or (sig == signal.SIGTERM and self._child_told):
+            return
+        self._child_told |= sig == signal.SIGTERM
+        try:
+            child.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def run(self) -> int:
+        """Until stopped: 0 when the last child stopped cleanly, else 1."""
+        delay = self.backoff_s
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            parent = os.getpid()
+            self._child_told = False
+            self.child = subprocess.Popen(self.child_argv, preexec_fn=lambda: _die_with_parent(parent))
+            self.num_starts += 1
+            log.info("started %s pid %d (start #%d)", self.name, self.child.pid, self.num_starts)
+            # A stop that landed while Popen ran found no child to signal.
+            if self.stopping.is_set():
+                self._signal_child(signal.SIGTERM)
+            returncode = self._wait()
+            if self.stopping.is_set():
+                break
+            delay = self.backoff_s if time.monotonic() - started > self.stable_run_s else delay
+            log.warning("%s exited with %s; restarting in %.1f s", self.name, returncode, delay)
+            self.child = None  # gone on its own: a stop during the backoff has nothing to drain
+            self.stopping.wait(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+        return self._reap()
+
+    def _wait(self) -> int | None:
+        """The child's exit status, or None as soon as a stop is asked for."""
+        while not self.stopping.is_set():
+            try:
+                return self.child.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
+    def _reap(self) -> int:
+        child = self.child
+        if child is None:
+            return 0
+        if child.poll() is None:
+            self._signal_child(signal.SIGTERM)
+            try:
+                child.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.error("%s pid %d ignored SIGTERM for %.0f s; killing it", self.name, child.pid,
+                          self.stop_timeout_s)
+                child.kill()
+                child.wait()
+                return 1
+        if child.returncode not in _CLEAN_STOPS:
+            log.error("%s pid %d exited with %s while stopping", self.name, child.pid, child.returncode)
+            return 1
+        log.info("%s stopped", self.name)
+        return 0
+
+
+def supervise(name: str, child_argv: list[str], backoff_s: float, max_backoff_s: float,
+              stop_timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """Run `child_argv` under a Supervisor in this process until SIGTERM/SIGINT; its exit status."""
+    supervisor = Supervisor(name, child_argv, backoff_s, max_backoff_s, stop_timeout_s)
+    supervisor.install_signal_handlers()
+    return supervisor.run()
