@@ -1,8 +1,11 @@
-"""`python -m bench.fused_layers`: a single-stream decode step with every decoder layer in one C++
-call (worker/model/fused_layers.py) against the same step through the modules, on bench-small
-(Llama) and on a random Qwen3 of the same shape (per-head q/k norms; built in a temporary
-folder, nothing downloaded). Runs alternate between the two paths; medians are printed with
-their ratio."""
+"""`python -m bench.fused_layers`: a single-stream decode step through the CPU fast path
+(worker/model/cpu_fast_path.py) with every decoder layer in one C++ call, against the same step
+through the fast path kernel by kernel (the route a quantized model takes) and through the
+plain torch modules (over the served weights, which the fast path holds as packed panels only,
+so the modules rebuild each float weight as they use it), on bench-small (Llama) and on a
+random Qwen3 of the same shape (per-head q/k norms; built in a temporary folder, nothing
+downloaded). Runs alternate between the routes; medians are printed with the ratios against
+the one call."""
 
 from __future__ import annotations
 
@@ -40,24 +43,30 @@ def _median_step_ms(engine, new_tokens: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def compare(model_dir: Path, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(one-call ms, modules ms) per decode step, medians over alternating runs."""
+ROUTES = ("one call", "kernel by kernel", "modules")
+
+
+def compare(model_dir: Path, new_tokens: int, repeats: int) -> dict[str, float]:
+    """Median ms per decode step for each route, over alternating runs."""
     from worker.engine import Engine
-    from worker.model import fused_layers, transformer
+    from worker.model import cpu_kernels
+    from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 
     engine = Engine.from_model_dir(model_dir, num_kv_blocks=64)
-    one_call = fused_layers.run_fused_layers
+    one_call = engine.runner.fast_path
+    if one_call is None:  # an engine that does not choose its fast path itself
+        one_call, reason = choose_fast_path(engine.model, engine.runner.attention_fn)
+        assert one_call is not None, reason
+    routes = {"one call": one_call, "kernel by kernel": CpuFastPath(engine.model, cpu_kernels.load(), one_call=False),
+              "modules": None}
+    engine.runner.fast_path = one_call
     _median_step_ms(engine, 8)  # warm-up
-    fused, modules = [], []
-    try:
-        for _ in range(repeats):
-            transformer.run_fused_layers = one_call
-            fused.append(_median_step_ms(engine, new_tokens))
-            transformer.run_fused_layers = lambda *args: None  # the modules' path
-            modules.append(_median_step_ms(engine, new_tokens))
-    finally:
-        transformer.run_fused_layers = one_call
-    return statistics.median(fused), statistics.median(modules)
+    times: dict[str, list[float]] = {route: [] for route in ROUTES}
+    for _ in range(repeats):
+        for route in ROUTES:
+            engine.runner.fast_path = routes[route]
+            times[route].append(_median_step_ms(engine, new_tokens))
+    return {route: statistics.median(samples) for route, samples in times.items()}
 
 
 def main() -> None:
@@ -72,8 +81,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, folder in (("bench-small (Llama)", ensure_bench_small()),
                              ("Qwen3, bench-small's shape", _qwen3_like_bench_small(Path(tmp) / "qwen3"))):
-            fused, modules = compare(folder, args.new_tokens, args.repeats)
-            print(f"  {name}: one call {fused:.2f} ms, modules {modules:.2f} ms ({modules / fused:.2f}x)")
+            ms = compare(folder, args.new_tokens, args.repeats)
+            base = ms["one call"]
+            print(f"  {name}: " + ", ".join(f"{route} {ms[route]:.2f} ms ({ms[route] / base:.2f}x)" for route in ROUTES))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from worker.model import cpu_kernels
-from worker.model.attention import _decode_attention
+from worker.model.attention import AttentionMetadata, decode_attention, paged_attention
+from worker.model.cpu_fast_path import kernel_paged_attention
 
 # bench-small's linear shapes (out, in): qkv, gate_up, down, o, lm_head.
 SHAPES = [(1024, 512), (2752, 512), (512, 1376), (512, 512), (32000, 512)]
@@ -94,16 +95,15 @@ def bench_quantized_linear(repeats: int) -> None:
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64  # bench-small's attention
 
 
-def _scattered_tables(lens: list[int], block_size: int, num_blocks: int) -> torch.Tensor:
-    """One block table per sequence over randomly scattered blocks, padded with block 0."""
+def _scattered_tables(lens: list[int], block_size: int, num_blocks: int) -> list[list[int]]:
+    """One block table per sequence over randomly scattered blocks."""
     free = torch.randperm(num_blocks).tolist()
     tables = []
     for length in lens:
         n = -(-length // block_size)
         tables.append(free[:n])
         free = free[n:]
-    width = max(map(len, tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return tables
 
 
 def _pools(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,16 +115,12 @@ def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size
     rng = random.Random(0)
     k_cache, v_cache = _pools(1200, block_size)
     lens = sorted((rng.randint(64, 768) for _ in range(num_seqs)), reverse=True)
-    block_tables = _scattered_tables(lens, block_size, k_cache.shape[0])
-    seq_lens = torch.tensor(lens)
+    meta = AttentionMetadata.build(_scattered_tables(lens, block_size, k_cache.shape[0]), [n - 1 for n in lens],
+                                   [1] * num_seqs, block_size)
     q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM)
-
-    def grouped_sdpa():
-        for s in range(0, num_seqs, 8):
-            _decode_attention(q[s:s + 8], k_cache, v_cache, block_tables[s:s + 8], seq_lens[s:s + 8], lens[s], 0.125)
-
-    ref = timed_ms(grouped_sdpa, repeats)
-    ours = timed_ms(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125),
+    out = torch.empty_like(q)
+    ref = timed_ms(lambda: decode_attention(q, k_cache, v_cache, meta, 0.125, out), repeats)  # groups of 8
+    ours = timed_ms(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.125),
                     repeats)
     print(f"decode attention, {num_seqs} sequences of 64..768 tokens: SDPA over gathered K/V {ref:.2f} ms, "
           f"our kernel {ours:.2f} ms ({ref / ours:.2f}x)")
@@ -134,32 +130,22 @@ def bench_decode_attention(kernels, repeats: int, num_seqs: int = 32, block_size
 PREFILL_STEPS = [[(512, 0)], [(256, 0), (256, 0)], [(200, 300), (312, 0)], [(64, 448)]]
 
 
-def bench_prefill_attention(repeats: int, block_size: int = 16) -> None:
-    """Our prefill kernel against the torch path (SDPA per chunk over gathered context), through
-    paged_attention itself, so both sides include what the engine runs around them."""
-    from worker.model import attention
-    from worker.model.attention import AttentionMetadata
+def bench_prefill_attention(kernels, repeats: int, block_size: int = 16) -> None:
+    """Our prefill kernel against the torch path (SDPA per chunk over gathered context), each
+    through its whole attention function, so both sides include what the engine runs around them."""
     print("prefill attention, one step's prompt chunks (new tokens + cached context), median ms "
           "(torch SDPA path / our kernel, ratio > 1 means ours is faster)")
     cells = []
     for chunks in PREFILL_STEPS:
         lens = [n + c for n, c in chunks]
         k_cache, v_cache = _pools(sum(-(-n // block_size) for n in lens) + 1, block_size)
-        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
-                                 block_tables=_scattered_tables(lens, block_size, k_cache.shape[0]),
-                                 seq_lens=torch.tensor(lens), query_lens=[n for n, _ in chunks],
-                                 context_lens=[c for _, c in chunks], num_decodes=0)
+        meta = AttentionMetadata.build(_scattered_tables(lens, block_size, k_cache.shape[0]),
+                                       [c for _, c in chunks], [n for n, _ in chunks], block_size)
         tokens = sum(meta.query_lens)
         q = torch.randn(tokens, NUM_HEADS, HEAD_DIM)
         k, v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM), torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM)
-        run = lambda: attention.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)  # noqa: E731
-        ours = timed_ms(run, repeats)
-        with_kernels = attention._cpu_kernels
-        attention._cpu_kernels = lambda *tensors: None
-        try:
-            ref = timed_ms(run, repeats)
-        finally:
-            attention._cpu_kernels = with_kernels
+        ours = timed_ms(lambda: kernel_paged_attention(kernels, q, k, v, k_cache, v_cache, meta, 0.125), repeats)
+        ref = timed_ms(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, 0.125), repeats)
         label = " + ".join(f"{n}" + (f"@{c}" if c else "") for n, c in chunks)
         cells.append(f"{label}: {ref:.2f}/{ours:.2f} ({ref / ours:.2f}x)")
     print("  " + "   ".join(cells))
@@ -180,7 +166,7 @@ def main() -> None:
     bench_linear(kernels, args.repeats)
     bench_transposed_form(args.repeats)
     bench_decode_attention(kernels, args.repeats)
-    bench_prefill_attention(args.repeats)
+    bench_prefill_attention(kernels, args.repeats)
     bench_quantized_linear(args.repeats)
 
 

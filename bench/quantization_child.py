@@ -90,7 +90,8 @@ def measure(spec: dict) -> dict:
 
         from worker.scoring import score
         ids = Tokenizer.from_file(str(Path(spec["model_dir"]) / "tokenizer.json")).encode(heldout.read_text()).ids
-        record["perplexity"] = score(model, ids, window=min(512, config.max_position_embeddings)).perplexity
+        record["perplexity"] = score(model, ids, window=min(512, config.max_position_embeddings),
+                                     fast_path=engine.runner.fast_path).perplexity
     record.update(rss_before_load=rss_before, rss_peak_load=rss_after_load, rss_peak=_rss_peak_bytes(),
                   threads=torch.get_num_threads())
     return record

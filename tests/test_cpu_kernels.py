@@ -1,14 +1,20 @@
-"""Our CPU kernels against torch: every matmul form `linear` may pick gives F.linear's result
-whatever the row count, and each fused kernel matches the ops it replaces."""
+"""Our CPU kernels against torch: every matmul form `linear` and the fast path's packed linear
+may take gives F.linear's result whatever the row count, and each fused kernel matches the ops
+it replaces."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from paged_steps import random_paged_step
 from worker.model import cpu_kernels
+from worker.model.cpu_fast_path import PackedLinear
 from worker.model.layers import (PANEL, TRANSPOSED_ROWS, WIDE_WEIGHT_RATIO, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS, Linear,
                                  linear, pack_panels)
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler: the CPU kernels cannot be "
+                                                                     "built here")
 
 ROWS = [1, 2, 5, 6, 7, 13, 17, 40, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS + 1, TRANSPOSED_ROWS.stop, 300]
 # ordinary; wide; features not a multiple of the panel, odd in_features
@@ -22,12 +28,17 @@ SHAPES = [(96, 64), (64 * WIDE_WEIGHT_RATIO, 64), (10, 20), (3 * PANEL + 5, 33)]
 @pytest.mark.parametrize("packed", [False, True])
 def test_linear_matches_torch(rows, shape, with_bias, with_out, packed):
     # Every tile height of the packed kernel (rows mod 6) and each BLAS form.
+    if packed and cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=g)
     bias = torch.randn(shape[0], generator=g) if with_bias else None
     x = torch.randn(rows, shape[1], generator=g)
     out = torch.full((rows, shape[0]), float("nan")) if with_out else None
-    got = linear(x, weight, bias, out=out, packed=pack_panels(weight) if packed else None)
+    if packed:
+        got = PackedLinear(cpu_kernels.load(), pack_panels(weight), bias, shape[0])(x, out)
+    else:
+        got = linear(x, weight, bias, out=out)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     if with_out:
         assert got.data_ptr() == out.data_ptr()
@@ -41,19 +52,19 @@ def test_pack_panels_layout():
     assert torch.all(packed[1, :, 4:] == 0)  # the padding past 20 features
 
 
-def test_linear_module_repacks_when_its_weight_changes():
+def test_linear_module_computes_from_its_weight_as_it_is_now():
     torch.manual_seed(0)
     layer = Linear(32, 40, bias=True)
     x = torch.randn(3, 32)
-    first = layer.packed_weight()
-    assert first is not None and layer.packed_weight() is first  # packed once, reused
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        layer.weight.mul_(2.0)  # in place: the version counter moves
+        layer.weight.mul_(2.0)  # in place
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     layer.weight = torch.nn.Parameter(torch.randn(40, 32))  # new storage
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert "_packed" not in "".join(layer.state_dict())
+    # Panels for the fast path are packed from the weight as it is when asked, and never saved.
+    assert torch.equal(layer.panels(), pack_panels(layer.weight))
+    assert set(layer.state_dict()) == {"weight", "bias"}
 
 
 def test_cpu_kernels_are_built_here():
@@ -61,8 +72,9 @@ def test_cpu_kernels_are_built_here():
     assert cpu_kernels.load() is not None
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_kernels)])
 @pytest.mark.parametrize("shape", [(1, 64), (37, 64), (3, 5, 16)])  # decode, prefill, per-head (Qwen3 q/k norm)
-def test_rms_norm_kernel_matches_the_formula(shape):
+def test_rms_norm_kernel_matches_the_formula(shape, kernel):
     from worker.model.layers import RMSNorm
     g = torch.Generator().manual_seed(1)
     norm = RMSNorm(shape[-1], eps=1e-5)
@@ -70,17 +82,21 @@ def test_rms_norm_kernel_matches_the_formula(shape):
         norm.weight.copy_(torch.randn(shape[-1], generator=g))
     x = torch.randn(shape, generator=g) * 3
     expected = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(norm(x.transpose(0, -2)), expected.transpose(0, -2), rtol=1e-5, atol=1e-5)
+
+    def run(x):
+        if not kernel:
+            return norm(x)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        cpu_kernels.load().rms_norm(x, norm.weight, 1e-5, out)
+        return out
+    torch.testing.assert_close(run(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(x.transpose(0, -2)), expected.transpose(0, -2), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernels_on", [True, False])
-def test_add_then_norm_updates_the_residual_and_norms_the_sum(kernels_on, monkeypatch):
+@pytest.mark.parametrize("kernels_on", [pytest.param(True, marks=needs_kernels), False])
+def test_add_then_norm_updates_the_residual_and_norms_the_sum(kernels_on):
     from worker.model.layers import RMSNorm
-    if not kernels_on:
-        monkeypatch.setattr(cpu_kernels, "for_tensors", lambda *tensors: None)
-    elif cpu_kernels.load() is None:
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(2)
     norm = RMSNorm(72, eps=1e-6)
     with torch.no_grad():
@@ -89,21 +105,32 @@ def test_add_then_norm_updates_the_residual_and_norms_the_sum(kernels_on, monkey
     total = x + delta
     expected = norm.weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6))
     before = delta.clone()
-    normed = norm.add_then_norm(x, delta)
+    if kernels_on:
+        normed = torch.empty_like(x)
+        cpu_kernels.load().add_rms_norm(x, delta, norm.weight, 1e-6, normed)
+    else:
+        normed = norm.add_then_norm(x, delta)
     torch.testing.assert_close(x, total)  # the residual stream, updated in place
     torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(delta, before)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 40])
 def test_gated_mlp_kernel_matches_torch(rows):
+    # The fast path's MLP (packed gate_up, the silu-and-mul kernel, packed down) against the module.
     from worker.model.layers import GatedMLP
     torch.manual_seed(rows)
+    kernels = cpu_kernels.load()
     mlp = GatedMLP(32, 48, bias=False)
     x = torch.randn(rows, 32)
-    gate, up = mlp.gate_up_proj(x).split(48, dim=-1)
-    expected = mlp.down_proj(F.silu(gate) * up)
-    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+    gate_up = PackedLinear(kernels, mlp.gate_up_proj.panels(), None, 96)(x)
+    hidden = torch.empty(rows, 48)
+    kernels.silu_and_mul(gate_up, hidden)
+    got = PackedLinear(kernels, mlp.down_proj.panels(), None, 32)(hidden)
+    gate, up = F.linear(x, mlp.gate_up_proj.weight).split(48, dim=-1)
+    torch.testing.assert_close(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj.weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, mlp(x), rtol=1e-5, atol=1e-5)
 
 
 def test_silu_and_mul_kernel_matches_torch_over_the_whole_range():
@@ -120,25 +147,12 @@ def test_silu_and_mul_kernel_matches_torch_over_the_whole_range():
 
 def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
     """Random pools, scattered block tables and q for one step (decodes first), K/V already written."""
-    from worker.model.attention import AttentionMetadata
     g = torch.Generator().manual_seed(seed)
-    lens = [q + c for q, c in zip(query_lens, context_lens)]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for n in lens:
-        count = -(-n // block_size)
-        tables.append(free[:count])
-        free = free[count:]
-    width = max(map(len, tables))
-    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             seq_lens=torch.tensor(lens), query_lens=list(query_lens),
-                             context_lens=list(context_lens), num_decodes=sum(1 for q in query_lens if q == 1))
+    step = random_paged_step(query_lens, context_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, generator=g,
+                             block_size=block_size)
+    (k_cache, v_cache), = step.kv_caches
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=g) * 2
-    return q, k_cache, v_cache, meta
+    return q, k_cache, v_cache, step.meta
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [
@@ -228,9 +242,8 @@ def test_released_linear_keeps_only_panels_and_still_computes_and_reads():
     assert torch.equal(unpack_panels(pack_panels(reference), reference.shape[0]), reference)
     assert torch.equal(layer.state_dict()["weight"], reference)  # checkpoints keep the [N, K] layout
     assert not layer.release_float_weight()  # already released
-    unpacked = Linear(8, 8)
-    unpacked.pack = False
-    assert not unpacked.release_float_weight() and "weight" in dict(unpacked.named_parameters())
+    double = Linear(8, 8).double()  # panels are a float32 layout: nothing else is released
+    assert not double.release_float_weight() and "weight" in dict(double.named_parameters())
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():

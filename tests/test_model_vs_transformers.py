@@ -7,7 +7,9 @@ import transformers
 
 from conftest import ARCHITECTURES
 from worker.engine import Engine, SamplingParams
+from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, paged_attention_reference
+from worker.model.cpu_fast_path import choose_fast_path
 from worker.model.weights import load_model
 
 PROMPT_LENGTHS = (1, 5, 16, 17, 31, 48, 64, 100)
@@ -44,9 +46,14 @@ def hf_greedy(hf_models):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("attention_fn", [paged_attention, paged_attention_reference])
+@pytest.mark.parametrize("attention_fn", [paged_attention, paged_attention_reference, "cpu fast path"])
 def test_prompt_logits_match_transformers(arch, attention_fn, checkpoints, hf_models):
     ours = load_model(checkpoints[arch])
+    computes = ours
+    if attention_fn == "cpu fast path":
+        if cpu_kernels.load() is None:
+            pytest.skip("our CPU kernels did not build")
+        computes, _ = choose_fast_path(ours)
     config = ours.config
     ids = torch.tensor(_prompts(2, lengths=(45,))[0])
     with torch.no_grad():
@@ -55,12 +62,13 @@ def test_prompt_logits_match_transformers(arch, attention_fn, checkpoints, hf_mo
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
     table = [5, 2, 7]  # deliberately out of order: attention must follow the table
-    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(len(ids))])
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=torch.tensor([table]),
-                             seq_lens=torch.tensor([len(ids)]), query_lens=[len(ids)], context_lens=[0],
-                             num_decodes=0)
+    meta = AttentionMetadata.build([table], [0], [len(ids)], block_size)
     with torch.no_grad():
-        logits = ours.compute_logits(ours(ids, torch.arange(len(ids)), kv, meta, attention_fn))
+        if computes is ours:
+            hidden = ours(ids, torch.arange(len(ids)), kv, meta, attention_fn)
+        else:
+            hidden = computes.forward(ids, torch.arange(len(ids)), kv, meta)
+        logits = computes.compute_logits(hidden)
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
 
 

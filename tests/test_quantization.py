@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.model.quantization import (QuantizedLinear, choose_path, dequantize, pack_int4, quantize,
-                                       quantize_int4, quantize_int8, unpack_int4)
+from worker.model import quantization
+from worker.model.quantization import (QuantizationPlan, QuantizedLinear, choose_path, dequantize, pack_int4,
+                                       quantize, quantize_int4, quantize_int8, unpack_int4)
 
 
 @pytest.fixture
@@ -81,15 +82,42 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
         torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t() + layer.bias, rtol=1e-4, atol=1e-4)
 
 
-def test_dequant_path_reuses_one_buffer_for_every_layer(weight):
-    layer = QuantizedLinear(quantize(weight, 8))
+def test_dequant_path_reuses_one_buffer_for_every_layer_of_a_plan(weight):
+    plan = QuantizationPlan()
+    layer = QuantizedLinear(quantize(weight, 8), plan=plan)
     first = layer.dequantized()
     layer(torch.randn(2, 256))
     assert layer.dequantized().data_ptr() == first.data_ptr()
     # A second, smaller layer rebuilds its weight into the same memory: no float copy per layer.
-    other = QuantizedLinear(quantize(weight[:40, :128], 4, group_size=64))
+    other = QuantizedLinear(quantize(weight[:40, :128], 4, group_size=64), plan=plan)
     assert other.dequantized().data_ptr() == first.data_ptr()
     torch.testing.assert_close(other.dequantized(), dequantize(other.qw))
+
+
+def test_plans_share_nothing(weight, monkeypatch):
+    """Two engines' plans (different models, different shapes): neither's buffer nor its measured
+    paths reach the other, so what one computes does not depend on what ran before it."""
+    big, small = QuantizationPlan(), QuantizationPlan()
+    large = QuantizedLinear(quantize(weight, 8), plan=big)
+    little = QuantizedLinear(quantize(weight[:40, :128], 8), plan=small)
+    large.dequantized()
+    assert little.dequantized().data_ptr() != large.dequantized().data_ptr()
+    assert small.scratch((1, 1), torch.float32, torch.device("cpu")).untyped_storage().nbytes() == 40 * 128 * 4
+    measured = []
+    monkeypatch.setattr(quantization, "choose_path", lambda layer, rows, repeats: measured.append(rows) or "dequant")
+    twin = QuantizedLinear(quantize(weight, 8), plan=big)
+    assert big.choose_paths(large) == big.choose_paths(twin) == ("dequant", "dequant")
+    assert measured == [4, 128]  # the same kind of layer is measured once per plan...
+    small.choose_paths(QuantizedLinear(quantize(weight, 8), plan=small))
+    assert measured == [4, 128, 4, 128]  # ...and again in another plan
+
+
+def test_quantized_engines_each_own_their_plan(checkpoints):
+    from worker.engine import Engine
+    engines = [Engine.from_model_dir(checkpoints[arch], num_kv_blocks=16, quantization="int8",
+                                     quantization_calibration="none") for arch in ("llama", "qwen2")]
+    plans = [{id(m.plan) for m in e.model.modules() if isinstance(m, QuantizedLinear)} for e in engines]
+    assert all(len(p) == 1 for p in plans) and plans[0] != plans[1]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

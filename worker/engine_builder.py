@@ -1,9 +1,9 @@
 """Builds an engine's parts from a local Hugging Face folder, in the one order that works.
 
 Check what can be checked without weights, load and place the model, calibrate it through a
-plain float engine over it (dropped afterwards), quantize, place again over the final
-tensors, size the KV pool for what is resident, then make the sampler, pool, block manager,
-scheduler and runner. The engine itself only wires the parts it is handed.
+plain float engine over it (the modules, dropped afterwards), quantize, place again over the
+final tensors, choose the CPU fast path once, size the KV pool for what is resident, then make
+the sampler, pool, block manager, scheduler and runner. The engine itself only wires the parts it is handed.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from worker.model import cpu_kernels
 from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.calibration import Calibration, CalibrationSettings
 from worker.model.config import ModelConfig
-from worker.model.layers import release_float_weights
+from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 from worker.model.placement import WeightPlacement, attach_placement, plan_weights
 from worker.model.quantize_model import QuantizationReport, quantize_model
 from worker.model.quantized_checkpoint import quantization_config
@@ -98,14 +98,13 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
     started = time.perf_counter()
     attach_placement(model, target.plan)
     load_seconds += time.perf_counter() - started
-    if target.device.type == "cpu" and config.load_mode != "on_demand":
-        # The weights are final: keep only our kernel's packed copies (on demand, slots copy
-        # from the float host weights; a tied head shares the embedding, which stays).
-        tied = (model.lm_head,) if target.model_config.tie_word_embeddings else ()
-        log.info("%d float32 linear weights kept only as packed panels", release_float_weights(model, keep=tied))
+    # Chosen once, over the final weights and after calibration (whose hooks need the modules);
+    # the float Linears it packs then hold only its panels.
+    fast_path, reason = choose_fast_path(model, ATTENTION[config.attention])
+    log.info("fast path: %s", reason)
     log.info("load_mode %s: weights loaded and placed in %.2f s (%s)", config.load_mode, load_seconds,
              target.plan.describe())
-    parts = _assemble(target, model, load_seconds)
+    parts = _assemble(target, model, load_seconds, fast_path)
     parts.quantization_report, parts.calibration = report, calibration
     log.info("engine ready: %s on %s, %d KV blocks of %d tokens", target.model_dir, target.device,
              parts.block_manager.num_blocks, config.block_size)
@@ -146,7 +145,8 @@ def _calibrate(target: _Target, model: Transformer, make_engine: Callable[[Engin
     return calibration
 
 
-def _assemble(target: _Target, model: Transformer, load_seconds: float) -> EngineParts:
+def _assemble(target: _Target, model: Transformer, load_seconds: float,
+              fast_path: CpuFastPath | None = None) -> EngineParts:
     config = target.config
     dtype = resolve_dtype(config.dtype or None, target.device, target.model_config)
     # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
@@ -156,7 +156,7 @@ def _assemble(target: _Target, model: Transformer, load_seconds: float) -> Engin
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig.from_engine(config, target.max_model_len), block_manager)
     runner = ModelRunner(model, kv_caches, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                         target.max_model_len, sampler, ATTENTION[config.attention])
+                         target.max_model_len, sampler, ATTENTION[config.attention], fast_path=fast_path)
     return EngineParts(config=config, model_dir=target.model_dir, model=model, device=target.device,
                        max_model_len=target.max_model_len, sampler=sampler, kv_caches=kv_caches,
                        block_manager=block_manager, scheduler=scheduler, runner=runner, placement_plan=target.plan,

@@ -1,5 +1,6 @@
 """Runs one step on the device: packs the scheduled sequences into preallocated buffers,
-runs the transformer on its own CUDA stream (when on CUDA), and samples.
+runs the transformer (or the CPU fast path the engine chose for it) on its own CUDA stream
+(when on CUDA), and samples.
 
 Owns the tensors of a step, and running a step despite an out-of-memory error (free what
 the device caches, run the step in halves); knows nothing of scheduling policy or sockets.
@@ -17,6 +18,7 @@ import torch
 from shared.sampling_params import SamplingParams
 from worker.kv_cache import KVCache
 from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.cpu_fast_path import CpuFastPath
 from worker.model.transformer import Transformer
 from worker.sampler import Sampler, SamplingBatch
 
@@ -54,14 +56,19 @@ class SequenceStep:
 
 
 class ModelRunner:
+    """`fast_path`: the CPU fast path built from the model's final weights
+    (`cpu_fast_path.choose_fast_path`), which computes every step in the model's place; None
+    runs the modules (calibration's hooks observe them, so a runner that calibrates has none)."""
+
     def __init__(self, model: Transformer, kv_caches: list[KVCache], block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 sampler: Sampler, attention_fn=paged_attention):
+                 sampler: Sampler, attention_fn=paged_attention, fast_path: CpuFastPath | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
         self.attention_fn = attention_fn
+        self.fast_path = fast_path
         self.device = model.input_device  # where a step's inputs go
         # Where logits come out: the last pipeline stage's device when the model is sharded.
         self.output_device = model.output_device
@@ -144,12 +151,16 @@ class ModelRunner:
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream_ctx:
             input_ids, positions, meta, logits_indices, sampled = self._prepare([seqs[i] for i in order])
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)  # [T, hidden]
+            if self.fast_path is not None:
+                hidden = self.fast_path.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)
             if not sampled:
                 return [None] * len(seqs)
             logits = self.logits[:len(sampled)]
             logits_indices = logits_indices.to(self.output_device, non_blocking=True)
-            self.model.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
+            computes = self.fast_path if self.fast_path is not None else self.model
+            computes.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
             batch = SamplingBatch(params=[seqs[order[j]].params for j in sampled],
                                   generators=[seqs[order[j]].generator for j in sampled],
                                   token_histories=[seqs[order[j]].token_history for j in sampled])
@@ -163,52 +174,33 @@ class ModelRunner:
     def _prepare(self, seqs: list[SequenceStep]):
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens, context_lens, seq_lens, logits_indices, sampled = [], [], [], [], []
-        size = self.block_size
+        logits_indices, sampled = [], []
         for j, seq in enumerate(seqs):
-            q_len, ctx = len(seq.new_token_ids), seq.context_len
             input_ids.extend(seq.new_token_ids)
-            span = range(ctx, ctx + q_len)
-            positions.extend(span)
-            table = seq.block_table
-            # Flat slot of position p: its block's id * S + its offset in the block.
-            slots.extend(table[p // size] * size + p % size for p in span)
-            query_lens.append(q_len)
-            context_lens.append(ctx)
-            seq_lens.append(ctx + q_len)
+            positions.extend(range(seq.context_len, seq.context_len + len(seq.new_token_ids)))
             if seq.needs_sample:
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(j)
-        num_tokens, num_seqs = len(input_ids), len(seqs)
-        if num_tokens > self.max_num_tokens:
-            raise ValueError(f"step has {num_tokens} tokens, more than max_num_batched_tokens={self.max_num_tokens}")
-        width = max(-(-n // size) for n in seq_lens)
-        tables = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
-        host = self._host
-        host["input_ids"][:num_tokens] = torch.tensor(input_ids)
-        host["positions"][:num_tokens] = torch.tensor(positions)
-        host["slot_mapping"][:num_tokens] = torch.tensor(slots)
-        host["seq_lens"][:num_seqs] = torch.tensor(seq_lens)
-        host["logits_indices"][:len(sampled)] = torch.tensor(logits_indices, dtype=torch.int64)
-        host["block_tables"][:num_seqs, :width] = torch.tensor(tables)
-        dev = self._device
-        if dev is not host:
-            for name in ("input_ids", "positions", "slot_mapping"):
-                dev[name][:num_tokens].copy_(host[name][:num_tokens], non_blocking=True)
-            dev["seq_lens"][:num_seqs].copy_(host["seq_lens"][:num_seqs], non_blocking=True)
-            dev["logits_indices"][:len(sampled)].copy_(host["logits_indices"][:len(sampled)], non_blocking=True)
-            dev["block_tables"][:num_seqs, :width].copy_(host["block_tables"][:num_seqs, :width], non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=dev["slot_mapping"][:num_tokens],
-            block_tables=dev["block_tables"][:num_seqs, :width],
-            seq_lens=dev["seq_lens"][:num_seqs],
-            query_lens=query_lens,
-            context_lens=context_lens,
-            num_decodes=sum(1 for q in query_lens if q == 1),
-        )
-        return (dev["input_ids"][:num_tokens], dev["positions"][:num_tokens], meta,
-                dev["logits_indices"][:len(sampled)], sampled)
+        if len(input_ids) > self.max_num_tokens:
+            raise ValueError(f"step has {len(input_ids)} tokens, more than max_num_batched_tokens={self.max_num_tokens}")
+        meta = AttentionMetadata.build([s.block_table for s in seqs], [s.context_len for s in seqs],
+                                       [len(s.new_token_ids) for s in seqs], self.block_size, put=self._stage)
+        return (self._stage("input_ids", input_ids), self._stage("positions", positions), meta,
+                self._stage("logits_indices", logits_indices), sampled)
+
+    def _stage(self, name: str, values: list) -> torch.Tensor:
+        """`values` written into the front of the preallocated buffer `name`: on CUDA into its
+        pinned host twin first, then copied asynchronously on the runner's stream. Returns the
+        device view."""
+        values = torch.tensor(values, dtype=torch.int64)
+        front = tuple(slice(0, n) for n in values.shape)  # [:n] or [:rows, :width]
+        host = self._host[name][front]
+        host.copy_(values)
+        if self._device is self._host:  # the CPU: the buffers are the step's tensors
+            return host
+        device = self._device[name][front]
+        device.copy_(host, non_blocking=True)
+        return device
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int | None = None) -> None:
@@ -223,11 +215,7 @@ class ModelRunner:
                    for d in self.model.layer_devices]
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=positions.clone(),
-            block_tables=torch.arange(num_blocks, device=self.device).unsqueeze(0),
-            seq_lens=torch.tensor([num_tokens], device=self.device),
-            query_lens=[num_tokens], context_lens=[0], num_decodes=0)
+        meta = AttentionMetadata.build([list(range(num_blocks))], [0], [num_tokens], self.block_size, self.device)
         hidden = self.model(ids, positions, scratch, meta, self.attention_fn)
         self.model.lm_head(hidden[-self.max_num_seqs:])
         del scratch, hidden

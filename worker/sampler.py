@@ -186,6 +186,10 @@ class Sampler:
             self._generator.seed()  # nondeterministic, like an unseeded API call should be
         else:
             self._generator.manual_seed(seed)
+        # Greedy rows' argmax by our kernel where it runs (float32 logits on the CPU): torch's
+        # costs far more per vocabulary-sized row (docs/benchmarks.md). Chosen once, here.
+        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        self._argmax_rows = kernels.argmax_rows if kernels is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         self._validate(logits, batch)
@@ -200,8 +204,10 @@ class Sampler:
 
         # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax).
         if not sampled_rows and not penalised_rows and not want_logprobs:
-            kernels = cpu_kernels.for_tensors(logits) if logits.dim() == 2 else None
-            tokens = kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
+            if self._argmax_rows is not None and logits.dtype == torch.float32:
+                tokens = self._argmax_rows(logits)
+            else:
+                tokens = logits.argmax(dim=-1)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
 
         # Copy once: everything below works in place and the caller's logits (needed raw for logprobs) stay intact.

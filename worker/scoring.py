@@ -4,7 +4,8 @@ Owns perplexity as the engine computes it. The text runs through the engine's mo
 prompt chunks over a paged KV cache of its own (the chunked-prefill path the runner
 drives), and the logits of every position are kept instead of only the last one.
 Long texts are cut into windows no longer than the model's context; each window is
-scored from scratch, as transformers scores one forward call.
+scored from scratch, as transformers scores one forward call. The modules compute (forward
+hooks see them: calibration records through this), or the CPU fast path when one is given.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from worker.kv_cache import allocate_kv_cache
 from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.cpu_fast_path import CpuFastPath
 from worker.model.transformer import AttentionFn, Transformer
 
 
@@ -31,7 +33,8 @@ class Score:
 
 @torch.inference_mode()
 def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
-                    attention_fn: AttentionFn = paged_attention) -> torch.Tensor:
+                    attention_fn: AttentionFn = paged_attention,
+                    fast_path: CpuFastPath | None = None) -> torch.Tensor:
     """Log-probabilities [L, V] (float32) of the next token after each of token_ids' L
     positions, the whole window as one sequence."""
     device = model.input_device
@@ -41,29 +44,28 @@ def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size:
     kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, model.layer_devices)
     # Reversed, so the attention has to follow the table rather than luck into identity.
     table = list(reversed(range(num_blocks)))
-    block_tables = torch.tensor([table], device=device)
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
     logprob_rows = []
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
         positions = torch.arange(start, end, device=device)
-        # Flat slot of position p: its block's id * S + its offset in the block.
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(start, end)],
-                             device=device)  # [T]
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                                 seq_lens=torch.tensor([end], device=device), query_lens=[end - start],
-                                 context_lens=[start], num_decodes=int(end - start == 1 and start > 0))
-        hidden = model(ids[start:end], positions, kv_caches, meta, attention_fn)  # [T, hidden]
-        logprob_rows.append(model.compute_logits(hidden).float().log_softmax(dim=-1).to(device))  # [T, V]
+        meta = AttentionMetadata.build([table], [start], [end - start], block_size, device)
+        if fast_path is not None:
+            hidden = fast_path.forward(ids[start:end], positions, kv_caches, meta)  # [T, hidden]
+            logits = fast_path.compute_logits(hidden)
+        else:
+            hidden = model(ids[start:end], positions, kv_caches, meta, attention_fn)
+            logits = model.compute_logits(hidden)  # [T, V]
+        logprob_rows.append(logits.float().log_softmax(dim=-1).to(device))
     return torch.cat(logprob_rows)
 
 
 def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
-               attention_fn: AttentionFn = paged_attention) -> Score:
+               attention_fn: AttentionFn = paged_attention, fast_path: CpuFastPath | None = None) -> Score:
     """NLL of token_ids[1:] given their prefixes, the whole window as one sequence."""
     # Row i predicts token i + 1; the last row predicts past the window.
     logprobs = window_logprobs(model, token_ids, block_size=block_size, chunk_size=chunk_size,
-                               attention_fn=attention_fn)[:-1]  # [L - 1, V]
+                               attention_fn=attention_fn, fast_path=fast_path)[:-1]  # [L - 1, V]
     num_tokens = len(token_ids)
     targets = torch.tensor(list(token_ids[1:]), dtype=torch.int64, device=logprobs.device).unsqueeze(1)  # [L - 1, 1]
     nll = -logprobs.gather(1, targets).sum().item()
@@ -71,7 +73,8 @@ def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int 
 
 
 def score(model: Transformer, token_ids: Sequence[int], *, window: int, block_size: int = 16,
-          chunk_size: int = 128, attention_fn: AttentionFn = paged_attention) -> Score:
+          chunk_size: int = 128, attention_fn: AttentionFn = paged_attention,
+          fast_path: CpuFastPath | None = None) -> Score:
     """Sum of `window_nll` over consecutive windows of at most `window` tokens."""
     if window > model.config.max_position_embeddings:
         raise ValueError(f"window {window} exceeds max_position_embeddings {model.config.max_position_embeddings}")
@@ -80,7 +83,8 @@ def score(model: Transformer, token_ids: Sequence[int], *, window: int, block_si
         piece = token_ids[start:start + window]
         if len(piece) < 2:
             continue
-        part = window_nll(model, piece, block_size=block_size, chunk_size=chunk_size, attention_fn=attention_fn)
+        part = window_nll(model, piece, block_size=block_size, chunk_size=chunk_size, attention_fn=attention_fn,
+                          fast_path=fast_path)
         nll, count = nll + part.nll, count + part.num_predicted
     if count == 0:
         raise ValueError("nothing to score: every window is shorter than 2 tokens")

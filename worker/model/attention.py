@@ -1,26 +1,29 @@
-"""Paged attention: write new K/V into the block pool, attend through block tables.
+"""Paged attention in torch: write new K/V into the block pool, attend through block tables.
 
-Two implementations behind one signature: `paged_attention_reference`, a plain per-sequence
-loop that tests trust, and `paged_attention`, the batched fast path the engine runs.
-Knows nothing of requests or schedulers: everything arrives in AttentionMetadata.
+Owns the step's attention metadata (`AttentionMetadata`, built by `AttentionMetadata.build`,
+the one place the slot arithmetic lives) and two torch implementations behind one signature:
+`paged_attention_reference`, a plain per-sequence loop that tests trust, and `paged_attention`,
+the batched path the modules run. Our C++ kernels for the same job belong to the CPU fast path
+(worker/model/cpu_fast_path.py). Knows nothing of requests or schedulers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from worker.model import cpu_kernels
-
-
 DECODE_GROUP_SIZE = 8
+# Makes one of the metadata's tensors from its values: `put(name, values)` with name one of
+# "slot_mapping" ([T]), "block_tables" ([B, W]) or "seq_lens" ([B]).
+TensorMaker = Callable[[str, list], torch.Tensor]
 
 
 @dataclass
 class AttentionMetadata:
-    """Where a step's packed tokens live. Built once per step by the model runner.
+    """Where a step's packed tokens live. Built once per step (`build`).
 
     Sequences are ordered decodes first: the first `num_decodes` sequences bring exactly
     one new token each, longest context first; the rest bring a chunk of prompt (or of
@@ -36,6 +39,31 @@ class AttentionMetadata:
     query_lens: list[int]  # [B] new tokens per sequence
     context_lens: list[int]  # [B] tokens already in the cache before this step
     num_decodes: int
+
+    @classmethod
+    def build(cls, block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], query_lens: Sequence[int],
+              block_size: int, device: torch.device | str = "cpu", put: TensorMaker | None = None
+              ) -> "AttentionMetadata":
+        """The metadata of a step from each sequence's block table, tokens already cached and new
+        tokens, sequences in step order (one-token sequences first). Tensors are new int64 tensors
+        on `device`, or whatever `put` makes of the values (the runner writes them into its
+        preallocated, staged buffers)."""
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        for table, ctx, q_len in zip(block_tables, context_lens, query_lens):
+            # Flat slot of position p: its block's id * S + its offset in the block.
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q_len))
+            seq_lens.append(ctx + q_len)
+        # Each table cut (or padded with block 0) to the blocks the longest sequence needs.
+        width = max(-(-n // block_size) for n in seq_lens)
+        tables = [list(table[:width]) + [0] * (width - len(table[:width])) for table in block_tables]
+        if put is None:
+            def put(name: str, values: list) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=device)
+        num_decodes = next((b for b, q_len in enumerate(query_lens) if q_len != 1), len(query_lens))
+        return cls(slot_mapping=put("slot_mapping", slots), block_tables=put("block_tables", tables),
+                   seq_lens=put("seq_lens", seq_lens), query_lens=list(query_lens),
+                   context_lens=list(context_lens), num_decodes=num_decodes)
 
     @property
     def num_seqs(self) -> int:
@@ -95,43 +123,38 @@ def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Fast path, same result as the reference. q [T, H, D]; k, v [T, Hkv, D] (this step's).
+    """Batched, same result as the reference. q [T, H, D]; k, v [T, Hkv, D] (this step's,
+    already written to the pools).
 
-    Where our C++ kernels apply (float32 on the CPU), decodes and then all prompt chunks run in
-    one kernel call each, K/V read in place through the tables. Otherwise decodes run as batched
-    SDPA over K/V gathered from their blocks, the query heads of one KV head laid out as SDPA's
-    query axis so grouped-query attention needs no K/V copy per head; a prompt chunk with nothing
-    cached attends to its own fresh K/V (causal, no gather), a chunk after cached context gathers
-    its context.
+    Decodes run as batched SDPA over K/V gathered from their blocks, the query heads of one KV
+    head laid out as SDPA's query axis so grouped-query attention needs no K/V copy per head; a
+    prompt chunk with nothing cached attends to its own fresh K/V (causal, no gather), a chunk
+    after cached context gathers its context.
     """
-    num_decodes = meta.num_decodes
-    kernels = _cpu_kernels(q, k_cache, v_cache)
-    if kernels is not None and num_decodes == q.shape[0]:  # a decode-only step: the kernel's output is all of it
-        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:num_decodes],
-                                              meta.seq_lens[:num_decodes], scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if kernels is not None and num_decodes:
-        out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], k_cache, v_cache,
-                                                           meta.block_tables[:num_decodes],
-                                                           meta.seq_lens[:num_decodes], scale)
-    # Without the kernel: decodes in groups of neighbours in length (the runner sorts them
-    # longest first), so each group pads its gathered K/V only to its own longest sequence.
-    torch_decodes = 0 if kernels is None else num_decodes
-    for start in range(torch_decodes, num_decodes, DECODE_GROUP_SIZE):
+    decode_attention(q, k_cache, v_cache, meta, scale, out)
+    prefill_attention(q, k, v, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, out: torch.Tensor) -> None:
+    """The decodes' rows of `out` (the first `meta.num_decodes`), in groups of neighbours in
+    length (the runner sorts them longest first), so each group pads its gathered K/V only to
+    its own longest sequence."""
+    num_decodes = meta.num_decodes
+    for start in range(0, num_decodes, DECODE_GROUP_SIZE):
         end = min(start + DECODE_GROUP_SIZE, num_decodes)
         max_len = max(meta.context_lens[start:end]) + 1
         out[start:end] = _decode_attention(q[start:end], k_cache, v_cache, meta.block_tables[start:end],
                                            meta.seq_lens[start:end], max_len, scale)
-    if num_decodes == meta.num_seqs:
-        return out
-    if kernels is not None and kernels.prefill_attention_supported(q.shape[2]):
-        # Every prompt chunk in one call, K/V read in place (this step's are already written).
-        kernels.paged_prefill_attention(q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:],
-                                        meta.seq_lens[num_decodes:], meta.prefill_query_starts, scale,
-                                        out[num_decodes:])
-        return out
-    start = num_decodes
-    for b in range(num_decodes, meta.num_seqs):
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The prompt chunks' rows of `out` (after the decodes'), one chunk at a time."""
+    start = meta.num_decodes
+    for b in range(meta.num_decodes, meta.num_seqs):
         q_len, ctx_len = meta.query_lens[b], meta.context_lens[b]
         end = start + q_len
         if ctx_len == 0:
@@ -142,13 +165,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             vb = _gather_context(v_cache, meta.block_tables[b], seq_len)
         out[start:end] = _prefill_attention(q[start:end], kb, vb, ctx_len, scale)
         start = end
-    return out
-
-
-def _cpu_kernels(*tensors: torch.Tensor):
-    """Our compiled CPU decode kernel where it applies (float32 on the CPU), else None.
-    A seam of its own so tests can force the torch path."""
-    return cpu_kernels.for_tensors(*tensors)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -172,7 +188,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
                        scale: float) -> torch.Tensor:
     # q [q, H, D]; k, v [ctx + q, Hkv, D] -> [q, H, D]. On the CPU, SDPA's own grouped-query
-    # support reads each KV head for its query heads (10-20% faster than repeating K/V per head);
+    # support reads each KV head for its query heads rather than a copy of K/V per query head;
     # elsewhere K/V are repeated, which every backend takes.
     gqa = q.shape[1] != k.shape[1] and q.device.type == "cpu"
     group = 1 if gqa else q.shape[1] // k.shape[1]

@@ -1,9 +1,11 @@
 """Our C++ CPU kernels, compiled on first use with torch's extension builder.
 
 Only where they measurably pay (see docs/benchmarks.md): the packed-panel and quantized
-linears, decode attention reading K/V through block tables in place, greedy argmax, small
-fused ops. If no compiler is at hand, `load()` returns None and callers keep the pure-torch
-paths. Concurrent first starts (two workers) and starts after a builder was killed are safe.
+linears, paged attention reading K/V through block tables in place, greedy argmax, small
+fused ops, and every decoder layer of a step in one call. Their callers are the CPU fast path
+(worker/model/cpu_fast_path.py), the quantized linears' "ours" path and greedy sampling, each
+choosing once. If no compiler is at hand, `load()` returns None and the pure-torch paths run.
+Concurrent first starts (two workers) and starts after a builder was killed are safe.
 """
 from __future__ import annotations
 
@@ -80,12 +82,3 @@ def _build_guard(build_dir: Path):
             yield
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
-
-
-def for_tensors(*tensors):
-    """The compiled module when every tensor is float32 on the CPU (what the kernels
-    take), else None: the one check every caller makes before using a kernel."""
-    for t in tensors:  # a plain loop over cheap properties: callers run this ~40 times a decode step
-        if not t.is_cpu or t.dtype is not torch.float32:
-            return None
-    return load()

@@ -1,6 +1,8 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding, the gated MLP.
+"""Building blocks of the decoder: linear layers, RMSNorm, rotary position embedding, the gated MLP.
 
-Pure tensor code; no knowledge of requests, caches or devices beyond what tensors carry.
+Plain torch: these modules are the reference the tests trust, and what runs wherever the CPU
+fast path (worker/model/cpu_fast_path.py) does not. No knowledge of requests, caches or
+devices beyond what tensors carry.
 """
 from __future__ import annotations
 
@@ -10,15 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import cpu_kernels
 from worker.model.config import RopeConfig
 
-# Where each matmul form wins on the CPU, measured by `python -m bench.kernels` (see
-# docs/benchmarks.md). With our kernels built, a Linear's float32 weight is packed once into
-# 16-feature panels and `linear_packed` runs every row count: 1.0-3x BLAS from 4 to ~128 rows,
-# on a par at 512, and at memory bandwidth for one row. Without them (no compiler, another
-# device), BLAS, which does better computing (W x^T)^T than x W^T at 32..96 rows for layer
-# weights and at up to 64 rows for a very wide one (the LM head).
+# BLAS computes x W^T faster in its transposed form (W x^T)^T for some row counts on the CPU;
+# where, `python -m bench.kernels` measures (see docs/benchmarks.md): for a layer's weight
+# from 32 to 96 rows, for a very wide one (the LM head) up to 64 rows.
 PANEL = 16  # output features per packed panel (kPanel in csrc/linear.cpp)
 WIDE_WEIGHT_RATIO = 8  # out_features / in_features at which a weight counts as wide
 WIDE_WEIGHT_TRANSPOSED_MAX_ROWS = 64
@@ -34,7 +32,7 @@ def _transposed_is_faster(rows: int, weight: torch.Tensor) -> bool:
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> [ceil(N / 16), K, 16]: for each k, a panel's 16 weights side by side
-    (the rows past N are zeros)."""
+    (the rows past N are zeros). The layout our packed linear kernel reads."""
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
     padded = F.pad(weight, (0, 0, 0, panels * PANEL - out_features))
@@ -48,20 +46,14 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given: through our kernel when the
-    caller has the weight packed (`pack_panels`), else by the faster BLAS form for the shape."""
-    # A packed weight is a float32 CPU weight and our kernels are built (Linear.packed_weight).
-    kernels = cpu_kernels.load() if (packed is not None and x.dim() == 2 and x.dtype == torch.float32
-                                     and x.device.type == "cpu") else None
-    if kernels is None and out is None and not (x.dim() == 2 and x.device.type == "cpu"
-                                                and _transposed_is_faster(x.shape[0], weight)):
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias), into `out` if given, by the faster BLAS form for the shape."""
+    transposed = x.dim() == 2 and x.device.type == "cpu" and _transposed_is_faster(x.shape[0], weight)
+    if out is None and not transposed:
         return F.linear(x, weight, bias)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    if kernels is not None:
-        kernels.linear_packed(x, packed, out)
-    elif x.device.type == "cpu" and _transposed_is_faster(x.shape[0], weight):
+    if transposed:
         out.copy_(torch.mm(weight, x.t()).t())  # (W x^T)^T: [N, M] computed, then laid out [M, N]
     else:
         torch.mm(x, weight.t(), out=out)
@@ -69,41 +61,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward goes through `linear` above, with its weight packed for our CPU
-    kernel on first use. The packed copy is rebuilt whenever the weight changes (new storage or
-    an in-place write), and it is not part of the state dict. `pack = False` keeps the plain
-    BLAS path (a weight rewritten before every use, as in an on-demand slot).
+    """nn.Linear computing through `linear` above.
 
-    `release_float_weight()` then drops the float weight and keeps only the panels (a buffer,
-    `weight_panels`), so serving does not hold every weight twice. Reading `weight` afterwards
-    (quantizing, calibrating) rebuilds a float copy from the panels each time: a read-only view
-    of the values, not storage to write into."""
+    Its float32 CPU weight may be held as packed panels instead (`release_float_weight`), the
+    one copy both the modules and the CPU fast path read, so serving does not hold every weight
+    twice. Reading `weight` then rebuilds a float copy from the panels each time (a read-only
+    view of the values, not storage to write into), and `state_dict()` still saves [N, K]."""
 
-    pack = True
+    def panels(self) -> torch.Tensor:
+        """The weight as packed panels: the ones held, or packed now from the float weight."""
+        held = self._buffers.get("weight_panels")
+        if held is not None:
+            return held
+        with torch.no_grad():
+            return pack_panels(self.weight.detach())
 
-    def packed_weight(self) -> torch.Tensor | None:
-        panels = self._buffers.get("weight_panels")
-        if panels is not None:
-            return panels
-        weight = self.weight
-        cached = self.__dict__.get("_packed")
-        key = (weight.data_ptr(), weight._version)  # new storage (even under .data =) or an in-place write
-        if cached is not None and cached[0] is weight and cached[1] == key:
-            return cached[2]
-        packed = None
-        if self.pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_kernels.load() is not None:
-            with torch.no_grad():
-                packed = pack_panels(weight.detach())
-        self.__dict__["_packed"] = (weight, key, packed)
-        return packed
-
-    def release_float_weight(self) -> bool:
-        """Keep only the packed panels; False (and nothing changed) where this Linear does not pack."""
-        panels = self.packed_weight() if "weight" in self._parameters else None
-        if panels is None:
+    def release_float_weight(self, panels: torch.Tensor | None = None) -> bool:
+        """Hold the weight as `panels` (packed here if not given) and drop the float copy; False
+        (and nothing changed) where the weight is already released or not float32 on the CPU."""
+        weight = self._parameters.get("weight")
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
+        panels = self.panels() if panels is None else panels
         del self._parameters["weight"]
-        self.__dict__.pop("_packed", None)
         self.register_buffer("weight_panels", panels, persistent=False)
         return True
 
@@ -119,19 +99,12 @@ class Linear(nn.Linear):
         return super().__getattr__(name)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        panels = self._buffers.get("weight_panels")
-        if panels is None:
-            return linear(x, self.weight, self.bias, out=out, packed=self.packed_weight())
-        # The released path runs ~30 times a decode step: plain dict lookups, no property reads.
-        if out is None:
-            out = x.new_empty((x.shape[0], self.out_features))
-        cpu_kernels.load().linear_packed(x, panels, out)
-        bias = self._parameters["bias"]
-        return out if bias is None else out.add_(bias)
+        return linear(x, self.weight, self.bias, out=out)
 
 
 def release_float_weights(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
-    """Every packing Linear of `model` but those in `keep` drops its float weight; how many did."""
+    """Every float32 CPU Linear of `model` but those in `keep` holds its weight as packed panels
+    only; how many did."""
     return sum(m.release_float_weight() for m in model.modules() if isinstance(m, Linear) and m not in keep)
 
 
@@ -142,23 +115,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (kernels := cpu_kernels.for_tensors(x, self.weight)) is not None:
-            x = x.contiguous()
-            out = torch.empty_like(x)
-            kernels.rms_norm(x, self.weight, self.eps, out)
-            return out
         # Normalise in float32 whatever the model dtype, then scale in the model dtype
         # (the order Hugging Face uses, so half-precision outputs agree bit for bit).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
     def add_then_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """x += delta in place (the residual stream), then the norm of the sum: one pass on the CPU."""
-        if (x.is_contiguous() and delta.is_contiguous()
-                and (kernels := cpu_kernels.for_tensors(x, delta, self.weight)) is not None):
-            out = torch.empty_like(x)
-            kernels.add_rms_norm(x, delta, self.weight, self.eps, out)
-            return out
+        """x += delta in place (the residual stream), then the norm of the sum."""
         return self(x.add_(delta))
 
 
@@ -231,12 +194,5 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        # One pass with a vectorised exp: 3-8x torch's silu + mul from 1 to 512 rows.
-        if (kernels := cpu_kernels.for_tensors(gate_up)) is not None:
-            hidden = torch.empty(*gate_up.shape[:-1], self.intermediate_size)
-            kernels.silu_and_mul(gate_up.contiguous(), hidden)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            hidden = F.silu(gate) * up
-        return self.down_proj(hidden)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)

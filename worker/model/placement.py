@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from worker.model.attention import AttentionMetadata
-from worker.model.layers import Linear
-from worker.model.quantization import QuantizedLinear, choose_paths
+from worker.model.quantization import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
@@ -262,10 +261,6 @@ class OnDemandLayers:
         """The layers whose weights the device slots hold now."""
         return [s.layer_index for s in self.slots if s.layer_index is not None]
 
-    @property
-    def slot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.slots for t in s.tensors)
-
     def run_layers(self, layers: nn.ModuleList, x, rope, kv_caches, meta, attention_fn) -> torch.Tensor:
         for i, kv_cache in enumerate(kv_caches):
             slot = self._acquire(i)
@@ -336,15 +331,12 @@ def _prepare_slot_module(module: nn.Module, device: torch.device) -> nn.Module:
     INT4 kernel path packs its operands once from the weights it was built with, so a slot would
     keep layer 0's: such a slot computes through the dequant path instead (our kernels read the
     buffers directly). Paths measured on the host are measured again on the device (torch's
-    packed kernels differ per device). A float Linear in a slot gets a new layer's weight copied
-    in before every use, so it runs unpacked: packing would copy each weight once more per use."""
+    packed kernels differ per device), in the model's plan, which the slot's copy shares."""
     for m in module.modules():
-        if isinstance(m, Linear):
-            m.pack = False
         if not isinstance(m, QuantizedLinear):
             continue
         if device.type != HOST.type:
-            choose_paths(m)
+            m.plan.choose_paths(m)
         if m.bits == 4:
             m.path, m.small_path = ("dequant" if p == "kernel" else p for p in (m.path, m.small_path))
     return module

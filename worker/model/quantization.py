@@ -7,8 +7,10 @@ Pure tensor code. The stored formats are our own and device independent:
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
 float in registers, CPU only), "kernel" (torch's packed matmuls) or "dequant" (rebuild the float
-weight into a reused buffer, then the float matmul). `choose_paths` times them on the layer's
-own shape and device, once for decode-sized steps and once for prefill-sized ones.
+weight into a reused buffer, then the float matmul). A `QuantizationPlan`, one per model, times
+them on each kind of layer's own shape and device, once for decode-sized steps and once for
+prefill-sized ones, and owns the buffer the dequant path rebuilds weights into: nothing is kept
+process-wide, so one engine's choices never depend on what ran before it in the process.
 """
 from __future__ import annotations
 
@@ -121,31 +123,22 @@ def _torch_int4_operands(qw: QuantizedWeight, device: torch.device):
     return None
 
 
-_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One flat buffer per (device, dtype), grown to the largest weight asked for, viewed as `shape`.
-    Layers run one after another in a worker, so one dequantized weight is alive at a time."""
-    numel = shape[0] * shape[1]
-    flat = _SCRATCH.get((device, dtype))
-    if flat is None or flat.numel() < numel:
-        flat = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-    return flat[:numel].view(shape)
-
-
 class QuantizedLinear(nn.Module):
-    """y = (x * input_scale) W^T (+ b) with W stored quantized. `path` is "kernel" (torch's
-    packed matmul) or "dequant" (W rebuilt into a reused float buffer, then the float matmul).
+    """y = (x * input_scale) W^T (+ b) with W stored quantized. `small_path` (steps of up to
+    SMALL_ROWS rows) and `path` (larger ones) are each "ours", "kernel" or "dequant", set by the
+    plan's measurement (`QuantizationPlan.choose_paths`) or by hand.
 
     Its state is persistent buffers (`qweight`, `scales`, optional `zeros` and `input_scale`)
     and an optional `bias`, so `state_dict` saves it and a shell from `empty` loads it back.
     `input_scale` is activation-aware scaling (worker/model/calibration.py): the stored
-    weight is W / input_scale per input channel, so salient channels were quantized larger."""
+    weight is W / input_scale per input channel, so salient channels were quantized larger.
+    `plan` is the model's QuantizationPlan (a layer made on its own gets a plan of its own)."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                 path: str = "dequant", input_scale: torch.Tensor | None = None):
+                 path: str = "dequant", input_scale: torch.Tensor | None = None,
+                 plan: "QuantizationPlan | None" = None):
         super().__init__()
+        self.plan = plan if plan is not None else QuantizationPlan()
         self.bits = qw.bits
         self.shape = tuple(qw.shape)
         self.group_size = qw.group_size
@@ -160,7 +153,8 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
-              has_input_scale: bool = False, dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
+              has_input_scale: bool = False, dtype: torch.dtype = torch.float32,
+              plan: "QuantizationPlan | None" = None) -> "QuantizedLinear":
         """A shell with the right buffers (uninitialised) for `load_state_dict` to fill."""
         n, k = shape
         if bits == 8:
@@ -172,7 +166,7 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"bits must be 8 or 4, got {bits}")
         return cls(qw, torch.empty(n) if has_bias else None, dtype,
-                   input_scale=torch.empty(k) if has_input_scale else None)
+                   input_scale=torch.empty(k) if has_input_scale else None, plan=plan)
 
     @property
     def qw(self) -> QuantizedWeight:
@@ -187,10 +181,10 @@ class QuantizedLinear(nn.Module):
         return self.shape[1]
 
     def dequantized(self) -> torch.Tensor:
-        """The float weight as stored (W / input_scale), rebuilt into a scratch buffer that every
-        layer on this device shares (a buffer per layer would hold a float copy of every weight,
-        undoing what quantization saved). Valid until the next layer's call."""
-        buffer = _scratch(self.shape, self.scales.dtype, self.qweight.device)
+        """The float weight as stored (W / input_scale), rebuilt into the scratch buffer that every
+        layer of the plan on this device shares (a buffer per layer would hold a float copy of
+        every weight, undoing what quantization saved). Valid until the next layer's call."""
+        buffer = self.plan.scratch(self.shape, self.scales.dtype, self.qweight.device)
         if self.bits == 8:
             torch.mul(self.qweight.to(buffer.dtype), self.scales[:, None], out=buffer)
         else:
@@ -207,7 +201,8 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _ours(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_tensors(x, self.scales)
+        # Chosen only where `path_available` found our kernels and float32 CPU tensors.
+        kernels = cpu_kernels.load()
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         if self.bits == 8:
@@ -266,7 +261,7 @@ def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
         best = min(timings.values(), default=float("inf"))
         elapsed, count = 0.0, 0
         # Repeats only while a path is in the running: one call twice the best so far settles it
-        # (torch's packed kernels can be 50x slower at prefill sizes, and every layer is timed).
+        # (torch's packed kernels can be far slower at prefill sizes, and every layer is timed).
         while count < repeats and (count == 0 or elapsed / count < 2 * best):
             started = time.perf_counter()
             layer(x)
@@ -278,15 +273,38 @@ def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
     return getattr(layer, attribute)
 
 
-_CHOSEN: dict[tuple, tuple[str, str]] = {}
+class QuantizationPlan:
+    """One model's quantized-layer state: the compute paths measured per kind of layer, and one
+    scratch buffer per (device, dtype) that the dequant path rebuilds weights into. Layers run
+    one after another in a worker, so one dequantized weight is alive at a time.
 
+    Made per engine (or per model loaded), never process-wide: a path measured for one engine,
+    or a buffer grown for another model's shapes, must not reach the next one."""
 
-def choose_paths(layer: QuantizedLinear, repeats: int = 3) -> tuple[str, str]:
-    """(small_path, path): one decode-sized and one prefill-sized measurement, made once per
-    layer kind in a process: every decoder layer repeats the same shapes, and timing each of a
-    large model's hundreds of projections would cost minutes at start."""
-    key = (layer.bits, layer.shape, layer.group_size, layer.qweight.device, layer.scales.dtype)
-    if key not in _CHOSEN:
-        _CHOSEN[key] = (choose_path(layer, rows=4, repeats=repeats), choose_path(layer, rows=128, repeats=repeats))
-    layer.small_path, layer.path = _CHOSEN[key]
-    return _CHOSEN[key]
+    def __init__(self, repeats: int = 3):
+        self.repeats = repeats
+        self._paths: dict[tuple, tuple[str, str]] = {}
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def scratch(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The (device, dtype) buffer, grown to the largest weight asked for, viewed as `shape`."""
+        numel = shape[0] * shape[1]
+        flat = self._scratch.get((device, dtype))
+        if flat is None or flat.numel() < numel:
+            flat = self._scratch[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        return flat[:numel].view(shape)
+
+    def choose_paths(self, layer: QuantizedLinear) -> tuple[str, str]:
+        """(small_path, path) for `layer`, now in use: one decode-sized and one prefill-sized
+        measurement per kind of layer in this plan (every decoder layer repeats the same shapes,
+        and timing each of a large model's hundreds of projections would cost minutes at start)."""
+        key = (layer.bits, layer.shape, layer.group_size, layer.qweight.device, layer.scales.dtype)
+        if key not in self._paths:
+            self._paths[key] = (choose_path(layer, rows=4, repeats=self.repeats),
+                                choose_path(layer, rows=128, repeats=self.repeats))
+        layer.small_path, layer.path = self._paths[key]
+        return self._paths[key]
+
+    def __deepcopy__(self, memo) -> "QuantizationPlan":
+        # A copied layer (an on-demand slot) stays one of its model's layers.
+        return self

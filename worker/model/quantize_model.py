@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shared.quantization_rule import LAYER_TYPES, PRESETS, QuantizationRule
-from worker.model.quantization import QuantizedLinear, choose_paths, quantize
+from worker.model.quantization import QuantizationPlan, QuantizedLinear, quantize
 
 __all__ = ["PRESETS", "QuantizationReport", "QuantizationRule", "quantization_targets", "quantize_model"]
 
@@ -40,11 +40,14 @@ class QuantizationReport:
 
 
 def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool = True,
-                   input_scales: dict[str, torch.Tensor] | None = None) -> QuantizationReport:
+                   input_scales: dict[str, torch.Tensor] | None = None,
+                   plan: QuantizationPlan | None = None) -> QuantizationReport:
     """Replace each targeted nn.Linear by a QuantizedLinear. With `input_scales[name]` (s^-1
     per input channel), the weight quantized is W * s and the layer scales its input by s^-1,
-    which leaves the product unchanged and the salient channels better resolved."""
+    which leaves the product unchanged and the salient channels better resolved. Every new
+    layer belongs to `plan` (a new one for this model if not given), which measures the paths."""
     report = QuantizationReport()
+    plan = plan if plan is not None else QuantizationPlan()
     input_scales = input_scales or {}
     embedding = getattr(model, "embed_tokens", None)
     for full_name, parent, name, linear in list(quantization_targets(model)):
@@ -58,9 +61,9 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
             weight = weight.float() / input_scale[None, :]
         qw = quantize(weight, bits, rule.group_size, rule.symmetric)
         quantized = QuantizedLinear(qw, linear.bias.data if linear.bias is not None else None,
-                                    dtype=linear.weight.dtype, input_scale=input_scale)
+                                    dtype=linear.weight.dtype, input_scale=input_scale, plan=plan)
         if measure_paths:
-            choose_paths(quantized)
+            plan.choose_paths(quantized)
         setattr(parent, name, quantized)
         key = f"{LAYER_TYPES[name]}:int{bits}"
         report.num_quantized[key] = report.num_quantized.get(key, 0) + 1

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from worker.model.config import OUR_QUANT_METHOD
-from worker.model.quantization import QuantizedLinear, choose_paths
+from worker.model.quantization import QuantizationPlan, QuantizedLinear
 from worker.model.quantize_model import QuantizationReport
 from worker.model.transformer import Transformer
 
@@ -87,8 +87,10 @@ def install_quantized_shells(model: Transformer, qconfig: dict, dtype: torch.dty
         setattr(parent, attribute, shell)
 
 
-def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: bool = True) -> None:
-    """Fill a materialised model (shells installed) from the quantized checkpoint's tensors."""
+def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: bool = True,
+                         plan: QuantizationPlan | None = None) -> None:
+    """Fill a materialised model (shells installed) from the quantized checkpoint's tensors; its
+    quantized layers then belong to `plan` (a new one for this model if not given)."""
     state = model.state_dict()
     tied = model.config.tie_word_embeddings
     expected = {n for n in state if not n.startswith("rotary.")} - ({"lm_head.weight"} if tied else set())
@@ -106,7 +108,9 @@ def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: boo
     missing = sorted(expected - found)
     if missing:
         raise ValueError(f"quantized checkpoint {model_dir} is missing tensors: {missing[:8]}")
-    if measure_paths:
-        for module in model.modules():
-            if isinstance(module, QuantizedLinear):
-                choose_paths(module)
+    plan = plan if plan is not None else QuantizationPlan()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.plan = plan
+            if measure_paths:
+                plan.choose_paths(module)

@@ -1,7 +1,9 @@
 """The decoder-only transformer (Llama, Qwen2, Qwen3) over packed tokens and a paged KV cache.
 
-Reads top to bottom like the paper. Takes token ids, positions, the KV pools and one
-AttentionMetadata per step; returns hidden states. Knows nothing of requests or sockets.
+Reads top to bottom like the paper, in plain torch: the reference the tests trust, which the
+CPU fast path (worker/model/cpu_fast_path.py) computes again with our kernels. Takes token ids,
+positions, the KV pools and one AttentionMetadata per step; returns hidden states. Knows
+nothing of requests or sockets.
 """
 from __future__ import annotations
 
@@ -10,11 +12,9 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, write_kv
 from worker.model.config import ModelConfig
-from worker.model.fused_layers import run_fused_layers
-from worker.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
+from worker.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: K and V pools, each [N, S, Hkv, D]
 AttentionFn = Callable[..., torch.Tensor]
@@ -49,26 +49,19 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         cos, sin = rope
-        k_cache, v_cache = kv_cache
-        if self.q_norm is None and (kernels := cpu_kernels.for_tensors(qkv, k_cache, v_cache)) is not None:
-            # One pass: q and k rotated in place inside qkv, then k and v written to their slots.
-            kernels.rotary_and_write_kv(qkv, cos.squeeze(1), sin.squeeze(1), meta.slot_mapping, k_cache, v_cache,
-                                        self.num_heads)
-            q, k, v = qkv.view(num_tokens, -1, self.head_dim).split(
-                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: rotate both with one pass.
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                           self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            if self.q_norm is None:
-                # q and k sit side by side in qkv: rotate both with one pass.
-                qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
-                                                               self.head_dim)
-                q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-            else:
-                q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-                q = apply_rotary(self.q_norm(q), cos, sin)
-                k = apply_rotary(self.k_norm(k), cos, sin)
-            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = apply_rotary(self.k_norm(k), cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = attention_fn(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -118,9 +111,6 @@ class Transformer(nn.Module):
         rope = self.rotary(positions)
         if self.placement is not None:
             x = self.placement.run_layers(self.layers, x, rope, kv_caches, meta, attention_fn)
-        elif attention_fn is paged_attention and (fused := run_fused_layers(self.layers, x, rope, kv_caches,
-                                                                            meta)) is not None:
-            x = fused
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, rope, kv_cache, meta, attention_fn)

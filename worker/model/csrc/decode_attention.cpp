@@ -17,8 +17,8 @@
 
 namespace {
 
-// Slots ahead to prefetch, into L2 (the slot in use keeps L1). Measured on the bench shape
-// (python -m bench.kernels): 2-12 slots ahead all give ~1.4x over no prefetch.
+// Slots ahead to prefetch, into L2 (the slot in use keeps L1). A wide range of distances does
+// as well on the bench shape (python -m bench.kernels; figures in docs/benchmarks.md).
 constexpr int64_t kPrefetchSlots = 8;
 
 struct SequenceView {

@@ -1,8 +1,9 @@
-// Every decoder layer of a step in one call: the same kernels, in the same order, as the Python
-// modules run them (worker/model/transformer.py), without the Python between them. On a decode
-// step the modules' dispatch (about 70 module calls and 100 tensor ops for 8 layers) costs as
-// much as a third of the weight stream; here it is a few C++ calls per layer. Qwen3's per-head
-// q/k norms run in place in qkv, before the rotary embedding.
+// Every decoder layer of a step in one call: the kernels the CPU fast path's layer-by-layer
+// route runs (worker/model/cpu_fast_path.py), in the same order, the modules' order
+// (worker/model/transformer.py), without the Python between them. On a decode step the Python
+// dispatch between about a hundred small calls for a model's layers is a large share of the
+// step (docs/benchmarks.md); here it is a few C++ calls per layer. Qwen3's per-head q/k norms
+// run in place in qkv, before the rotary embedding.
 #include "kernels.h"
 
 #include <optional>
@@ -10,7 +11,7 @@
 
 namespace {
 
-// Per-layer tensors, in the order the Python side lists them (worker/model/fused_layers.py).
+// Per-layer tensors, in the order the Python side lists them (LayerWeights.one_call_tensors).
 enum LayerTensor {
   kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias,
   kNumLayerTensors

@@ -1,5 +1,5 @@
-// Linear kernels: the packed-panel float32 linear every float Linear runs on the CPU, and the
-// weight-only INT8 / INT4 small-batch linears that widen their weights in registers.
+// Linear kernels: the packed-panel float32 linear of every float projection on the CPU fast
+// path, and the weight-only INT8 / INT4 small-batch linears that widen their weights in registers.
 #include "kernels.h"
 #include "vector_math.h"
 

@@ -9,8 +9,8 @@
 #include <limits>
 
 // Greedy sampling's argmax over each row of logits [B, V]: the first index of the largest
-// value (NaN never wins), 8 lanes at a time, rows split over threads. torch's CPU argmax
-// takes ~40 us per 32k-vocabulary row on one thread; a 32-row decode step paid 1.2 ms.
+// value (NaN never wins), 8 lanes at a time, rows split over threads. torch's CPU argmax is
+// slow per vocabulary-sized row, a cost every greedy decode step paid (docs/benchmarks.md).
 at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dtype() == at::kFloat && logits.dim() == 2, "float32 [B, V] only");
   logits = logits.contiguous();
