@@ -1,10 +1,12 @@
 """The dispatcher: queued requests out to workers in batches, worker deltas back to streams.
 
-It owns the queue, the table of live requests and the ZeroMQ socket. Batches come from one
+It owns the queue, the table of live requests and the ZeroMQ socket; requests are known here
+and on the wire by their internal ids only (gateway/request_table.py). Batches come from one
 length bucket, go to the worker with the most room by what its heartbeats report, and never
 exceed what that worker said it can take. A worker that dies (silent heartbeats, or a new
 incarnation) has its requests requeued at the front and resumed elsewhere from the tokens
-already streamed; with no live worker left they end UNAVAILABLE.
+already streamed; with no live worker left they wait up to `gateway.resume_grace_s` (never past
+their deadlines) for one to come back, then end UNAVAILABLE.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from typing import Callable
 
 import grpc
 
+from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
 from gateway.queues import LengthBucketedQueue, QueuedItem
+from gateway.request_table import DuplicateRequestError, RequestTable
 from gateway.streams import RequestState
 from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
@@ -27,6 +31,7 @@ from shared.wire import sampling_to_wire
 
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.05
+LOOP_LAG_INTERVAL_S = 0.02
 
 
 class Dispatcher:
@@ -37,8 +42,14 @@ class Dispatcher:
         q = config.queues
         self.queue: LengthBucketedQueue[RequestState] = LengthBucketedQueue(
             q.bucket_bounds, q.aging_s, q.max_queued_requests, q.max_queued_tokens, fifo=q.policy == "fifo")
-        self.registry = WorkerRegistry(config.worker_ids, config.gateway.heartbeat_timeout_s)
-        self.requests: dict[str, RequestState] = {}  # every request not yet finished
+        # A stall of a quarter of the heartbeat timeout can delay reading heartbeats by no more than
+        # the timeout leaves to spare beyond the heartbeat interval; a longer one restarts the count.
+        self.loop_lag = LoopLag(LOOP_LAG_INTERVAL_S, config.gateway.heartbeat_timeout_s / 4,
+                                self.metrics.loop_lag.observe)
+        self.registry = WorkerRegistry(config.worker_ids, config.gateway.heartbeat_timeout_s,
+                                       heard_since=self.loop_lag.heard_since)
+        self.requests = RequestTable()  # every request not yet finished, by internal id
+        self._no_live_worker_since_s: float | None = time.monotonic()
         self.socket: GatewaySocket | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -54,7 +65,7 @@ class Dispatcher:
         self.socket = GatewaySocket(self.config.worker_endpoint)
         self._tasks = [asyncio.create_task(coro, name=name) for name, coro in
                        (("recv", self._recv_loop()), ("dispatch", self._dispatch_loop()),
-                        ("monitor", self._monitor_loop()))]
+                        ("monitor", self._monitor_loop()), ("loop-lag", self.loop_lag.run()))]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -65,27 +76,34 @@ class Dispatcher:
 
     # ---- called by the servicer ------------------------------------------------------------------
     def submit(self, state: RequestState) -> None:
-        """Queue a validated request; raises QueueFullError at the queue's bounds."""
-        item = QueuedItem(request_id=state.request_id, num_tokens=len(state.prompt_ids), priority=state.priority,
+        """Queue a validated request; raises QueueFullError at the queue's bounds and
+        DuplicateRequestError when a live request already has its client id."""
+        if self.requests.is_live(state.request_id):  # checked before the queue takes it
+            raise DuplicateRequestError(state.request_id)
+        item = QueuedItem(request_id=state.internal_id, num_tokens=len(state.prompt_ids), priority=state.priority,
                           arrival_s=state.arrival_s, deadline_s=state.deadline_s,
                           max_wait_s=self.config.queues.max_wait_for(state.priority), payload=state)
         self.queue.push(item)
         state.bucket = self.queue.bucket_of(item.num_tokens)
-        self.requests[state.request_id] = state
+        self.requests.add(state)
         self._wake.set()
 
-    def cancel(self, request_id: str, reason: str = "abort") -> bool:
+    def cancel(self, internal_id: str, reason: str = "abort") -> bool:
         """Stop a request wherever it is; its worker frees its blocks after the current step."""
-        state = self.requests.pop(request_id, None)
+        state = self.requests.pop(internal_id)
         if state is None:
             return False
-        self.queue.remove(request_id)
+        self.queue.remove(internal_id)
         if state.worker_id is not None:
-            worker = self.registry.get(state.worker_id)
-            worker.assigned.discard(request_id)
-            self._send_abort(state.worker_id, [request_id])
+            self.registry.release(state.worker_id, internal_id)
+            self._send_abort(state.worker_id, [internal_id])
         state.finish(reason, time.monotonic())
         return True
+
+    def cancel_by_client_id(self, request_id: str) -> bool:
+        """Abort the live request that the client calls `request_id`, if there is one."""
+        state = self.requests.by_client(request_id)
+        return state is not None and self.cancel(state.internal_id)
 
     def has_live_worker(self) -> bool:
         return bool(self.registry.live(time.monotonic()))
@@ -128,9 +146,8 @@ class Dispatcher:
 
     def _on_outputs(self, worker_id: str, outputs: worker_pb2.StepOutputs, now: float) -> None:
         stale = []
-        worker = self.registry.get(worker_id)
         for delta in outputs.deltas:
-            state = self.requests.get(delta.request_id)
+            state = self.requests.get(delta.request_id)  # the wire carries internal ids
             if state is None or state.worker_id != worker_id:
                 if not delta.finished:
                     stale.append(delta.request_id)  # cancelled, or moved on after a false death
@@ -147,20 +164,20 @@ class Dispatcher:
             stopped = state.on_tokens(list(delta.new_token_ids), now)
             if stopped:
                 self._forget(state)
-                self._send_abort(worker_id, [state.request_id])
+                self._send_abort(worker_id, [state.internal_id])
             elif delta.finished:
                 self._forget(state)
                 state.finish(delta.finish_reason or "stop", now, error=delta.error)
         if stale:
             self._send_abort(worker_id, stale)
         if any(d.finished for d in outputs.deltas):
-            worker.blocks_reserved = 0
+            self.registry.release_reservations(worker_id)
             self._wake.set()
 
     def _forget(self, state: RequestState) -> None:
-        self.requests.pop(state.request_id, None)
+        self.requests.pop(state.internal_id)
         if state.worker_id is not None:
-            self.registry.get(state.worker_id).assigned.discard(state.request_id)
+            self.registry.release(state.worker_id, state.internal_id)
 
     # ---- gateway -> worker -------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
@@ -203,34 +220,33 @@ class Dispatcher:
         for state in states:
             state.worker_id = worker.worker_id
             state.dispatch_s = state.dispatch_s or now
-            worker.assigned.add(state.request_id)
-            worker.blocks_reserved += worker.blocks_for(len(state.prompt_ids) + 1)
+            self.registry.assign(worker.worker_id, state.internal_id, len(state.prompt_ids) + 1)
             wire.append(worker_pb2.WireRequest(
-                request_id=state.request_id, prompt_token_ids=state.prompt_ids, output_token_ids=state.output_ids,
+                request_id=state.internal_id, prompt_token_ids=state.prompt_ids, output_token_ids=state.output_ids,
                 sampling=sampling_to_wire(state.params), priority=0 if self.queue.fifo else state.priority))
         sent = await self.socket.send(worker.worker_id, worker_pb2.Envelope(
             submit=worker_pb2.SubmitBatch(requests=wire)))
         if not sent:
             log.warning("%s unreachable; requeueing %d requests", worker.worker_id, len(states))
-            worker.heartbeat = None
-            self._resume({s.request_id for s in states}, now)
+            self.registry.mark_unreachable(worker.worker_id)
+            self._resume({s.internal_id for s in states}, now)
 
     def _send_abort(self, worker_id: str, request_ids: list[str]) -> None:
         envelope = worker_pb2.Envelope(abort=worker_pb2.AbortRequests(request_ids=request_ids))
         asyncio.ensure_future(self.socket.send(worker_id, envelope))
 
     # ---- failures and time ----------------------------------------------------------------------
-    def _resume(self, request_ids: set[str], now: float) -> None:
-        for request_id in sorted(request_ids):
-            state = self.requests.get(request_id)
+    def _resume(self, internal_ids: set[str], now: float) -> None:
+        for internal_id in sorted(internal_ids):
+            state = self.requests.get(internal_id)
             if state is None or state.is_finished:
                 continue
             if state.worker_id is not None:
-                self.registry.get(state.worker_id).assigned.discard(request_id)
+                self.registry.release(state.worker_id, internal_id)
             state.worker_id = None
             state.num_resumes += 1
             self.metrics.resumptions.inc()
-            self.queue.push(QueuedItem(request_id=request_id, num_tokens=len(state.prompt_ids),
+            self.queue.push(QueuedItem(request_id=internal_id, num_tokens=len(state.prompt_ids),
                                        priority=state.priority, arrival_s=state.arrival_s,
                                        deadline_s=state.deadline_s, payload=state), front=True)
         self._wake.set()
@@ -238,7 +254,7 @@ class Dispatcher:
     def _expire(self, now: float) -> None:
         for item in self.queue.pop_expired(now):
             state = item.payload
-            self.requests.pop(state.request_id, None)
+            self.requests.pop(state.internal_id)
             waited = now - state.arrival_s
             why = ("its deadline passed" if item.deadline_s is not None and item.deadline_s <= now
                    else f"the queue-time limit of {item.max_wait_s:g} s for priority {state.priority} passed")
@@ -251,10 +267,16 @@ class Dispatcher:
             log.warning("%s missed heartbeats for %.1f s; resuming its %d requests elsewhere", worker_id,
                         self.config.gateway.heartbeat_timeout_s, len(lost))
             self._resume(lost, now)
-        if not self.registry.live(now) and len(self.queue):
-            self._fail_all_queued(now)
-        status = {w.worker_id: (w.is_alive(self.registry.heartbeat_timeout_s, now),
-                                w.is_ready(self.registry.heartbeat_timeout_s, now))
+        if self.registry.live(now):
+            self._no_live_worker_since_s = None
+        else:
+            if self._no_live_worker_since_s is None:
+                self._no_live_worker_since_s = now
+            # A worker restarting (supervised) is often back within the grace; deadlines still
+            # apply meanwhile (`_expire`).
+            if len(self.queue) and now - self._no_live_worker_since_s >= self.config.gateway.resume_grace_s:
+                self._fail_all_queued(now)
+        status = {w.worker_id: (self.registry.is_alive(w, now), self.registry.is_ready(w, now))
                   for w in self.registry.workers.values()}
         if status != self._liveness:
             self._liveness = status
@@ -263,9 +285,12 @@ class Dispatcher:
             self._on_workers_changed()
 
     def _fail_all_queued(self, now: float) -> None:
+        grace = self.config.gateway.resume_grace_s
         for item in self.queue.pop_expired(math.inf):
-            self.requests.pop(item.request_id, None)
-            item.payload.fail(grpc.StatusCode.UNAVAILABLE, "no live worker is left to serve this request", now)
+            self.requests.pop(item.request_id)
+            item.payload.fail(grpc.StatusCode.UNAVAILABLE, f"no live worker is left to serve this request "
+                                                           f"(none came back within gateway.resume_grace_s = "
+                                                           f"{grace:g} s)", now)
 
     async def probe(self, worker_id: str, deep: bool, memory_report: bool, timeout_s: float
                     ) -> worker_pb2.ProbeReply:

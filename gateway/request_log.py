@@ -1,5 +1,7 @@
 """The end of a request: one JSON log line with its timing breakdown, and its metrics.
 
+Every RPC lands here exactly once, under the gRPC status its client saw: admitted requests
+with their timings (`finish_request`), refused ones with the reason (`refuse_request`).
 Every duration comes from the gateway's clock except prefill and worker queue time, which
 the worker measured on its own clock and reported as durations.
 """
@@ -13,6 +15,7 @@ from gateway.metrics import Metrics
 from gateway.streams import RequestState
 
 log = logging.getLogger("gateway.requests")
+MAX_LOGGED_ID_CHARS = 128
 
 
 def request_record(state: RequestState, status_code: str) -> dict:
@@ -20,7 +23,8 @@ def request_record(state: RequestState, status_code: str) -> dict:
     num_output = len(state.output_ids)
     decode_ms = ((end_s - state.first_token_s) * 1e3) if state.first_token_s is not None else 0.0
     return {
-        "event": "request", "request_id": state.request_id, "bucket": state.bucket, "priority": state.priority,
+        "event": "request", "request_id": state.request_id, "internal_id": state.internal_id, "bucket": state.bucket,
+        "priority": state.priority,
         "worker_id": state.worker_id, "prompt_tokens": len(state.prompt_ids), "completion_tokens": num_output,
         "cached_prompt_tokens": state.num_cached_tokens, "queue_ms": round(state.queue_ms, 3),
         "worker_queue_ms": round(state.worker_queue_ms, 3), "prefill_ms": round(state.prefill_ms, 3),
@@ -30,6 +34,17 @@ def request_record(state: RequestState, status_code: str) -> dict:
         "resumptions": state.num_resumes, "peak_kv_blocks": state.peak_kv_blocks,
         "finish_reason": state.finish_reason, "status_code": status_code,
     }
+
+
+def refuse_request(request_id: str, status_code: str, message: str, metrics: Metrics) -> dict:
+    """A request that ended before it was queued: refused by validation, a bound, or draining."""
+    # A refused id may be anything a client sent, megabytes included: the log keeps its start.
+    record = {"event": "request", "request_id": request_id[:MAX_LOGGED_ID_CHARS], "status_code": status_code,
+              "error": message}
+    log.info(json.dumps(record, separators=(",", ":")))
+    metrics.rejections.labels(status_code.lower()).inc()
+    metrics.request_status.labels(status_code).inc()
+    return record
 
 
 def finish_request(state: RequestState, status_code: str, metrics: Metrics) -> dict:

@@ -1,9 +1,11 @@
 """The gRPC front door: a thin grpc.aio servicer over the dispatcher, plus health and reflection.
 
-Generate validates and tokenizes, queues the request and relays its stream events; a client
-that cancels or disconnects at any point costs no further compute (the handler's cleanup
-aborts it wherever it is). SIGTERM drains: new requests get UNAVAILABLE, in-flight streams
-finish within the grace period, then the process exits 0.
+Generate checks sizes, then validates and tokenizes (large inputs on a pool thread,
+gateway/offload.py), queues the request and relays its stream events; a client that cancels
+or disconnects at any point costs no further compute (the handler's cleanup aborts it
+wherever it is). Every RPC is counted and logged once, under the status its client saw.
+SIGTERM drains: new requests get UNAVAILABLE, in-flight streams finish within the grace
+period, then the process exits 0.
 """
 from __future__ import annotations
 
@@ -20,17 +22,21 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import Metrics
+from gateway.offload import RELEASE_MIN_CHARS, Offload, OffloadBusyError, should_offload
 from gateway.queues import QueueFullError
-from gateway.request_log import finish_request
+from gateway.request_log import finish_request, refuse_request
+from gateway.request_table import DuplicateRequestError
 from gateway.streams import RequestState, StreamEvent
 from gateway.tokenizer import Tokenizer
-from gateway.validation import InvalidRequest, check_request_id, validate
+from gateway.validation import InvalidRequest, check_request_id, check_sizes, validate
 from protos import inference_pb2, inference_pb2_grpc
 from shared.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 _DEADLINE = object()  # queued by a stream's deadline timer: end the RPC with DEADLINE_EXCEEDED
+# A cancellation this close to the deadline is the deadline: gRPC cancels the handler when it passes.
+_DEADLINE_SLACK_S = 0.01
 _FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
            "abort": inference_pb2.FINISH_REASON_ABORT, "error": inference_pb2.FINISH_REASON_ERROR}
 
@@ -57,77 +63,119 @@ def _with_ending(response: inference_pb2.GenerateResponse, state: RequestState,
     return response
 
 
+def _cancelled_status(ended_with: grpc.StatusCode | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status a client saw when its handler was cancelled: the one the gateway had already ended
+    the RPC with, else DEADLINE_EXCEEDED if its deadline passed (gRPC cancels the handler then),
+    else CANCELLED (the client cancelled or went away)."""
+    if ended_with is not None:
+        return ended_with
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= _DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, config: ClusterConfig, tokenizer: Tokenizer, dispatcher: Dispatcher):
+    def __init__(self, config: ClusterConfig, tokenizer: Tokenizer, dispatcher: Dispatcher,
+                 offload: Offload | None = None):
         self.config = config
         self.metrics = dispatcher.metrics
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
+        self.offload = offload or Offload(config.gateway.tokenizer_threads)
         self.max_model_len = config.worker.max_model_len or int(
             tokenizer.model_config.get("max_position_embeddings", 2048))
         self.draining = False
-        self.num_streams = 0
+        self.num_streams = 0  # admitting or streaming
         self.streams_idle = asyncio.Event()
         self.streams_idle.set()
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        state = await self._admit(request, context)
-        self._stream_started()
-        code = "OK"
-        try:
-            async for response in self._relay(state, context):
-                yield response
-        except asyncio.CancelledError:
-            code = "CANCELLED"  # the client cancelled or went away
-            raise
-        except BaseException:
-            code = context.code().name if context.code() is not None else "UNKNOWN"
-            raise
-        finally:
-            # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
-            if not state.is_finished:
-                self.dispatcher.cancel(state.request_id)
-            self._stream_ended()
-            finish_request(state, code, self.metrics)
-
-    async def _admit(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                     ) -> RequestState:
-        """Validate, tokenize and queue, or end the RPC with the status that names the problem."""
+        arrival_s, remaining_s = time.monotonic(), context.time_remaining()
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if self.draining:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
+            await self._refuse(context, request_id, grpc.StatusCode.UNAVAILABLE,
                                "the gateway is draining for shutdown; retry elsewhere")
         if self.num_streams >= self.config.gateway.max_concurrent_streams:
-            await self._exhausted(context, f"the gateway already serves its maximum of "
-                                           f"{self.config.gateway.max_concurrent_streams} streams")
-        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+            await self._exhausted(context, request_id, f"the gateway already serves its maximum of "
+                                                       f"{self.config.gateway.max_concurrent_streams} streams")
+        self._stream_started()
+        try:
+            state = await self._admit(request, request_id, context, arrival_s, remaining_s)
+            code = grpc.StatusCode.OK
+            try:
+                async for response in self._relay(state, context):
+                    yield response
+            except (asyncio.CancelledError, GeneratorExit):
+                # The RPC ended under the handler: grpc.aio cancels it, or closes it at its `yield`.
+                code = _cancelled_status(state.status_code, context)
+                raise
+            except BaseException:
+                code = state.status_code or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
+                if not state.is_finished:
+                    self.dispatcher.cancel(state.internal_id)
+                finish_request(state, code.name, self.metrics)
+        finally:
+            self._stream_ended()
+
+    async def _admit(self, request: inference_pb2.GenerateRequest, request_id: str,
+                     context: grpc.aio.ServicerContext, arrival_s: float, remaining_s: float | None) -> RequestState:
+        """Check, tokenize and queue, or end the RPC with the status that names the problem."""
+        gateway = self.config.gateway
         try:
             check_request_id(request_id)
-            checked = validate(request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens)
+            num_chars = check_sizes(request, gateway)  # lengths only: before any work on the contents
         except InvalidRequest as e:
-            await self._reject(context, e.code, e.message)
-        if request_id in self.dispatcher.requests:
-            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS,
+            await self._refuse(context, request_id, e.code, e.message)
+        if self.dispatcher.requests.is_live(request_id):  # cheap to tell now; checked again at submit
+            await self._refuse(context, request_id, grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id {request_id!r} is already in flight")
+        try:
+            checked = await self._validate(request, num_chars)
+        except InvalidRequest as e:
+            await self._refuse(context, request_id, e.code, e.message)
+        except OffloadBusyError as e:
+            await self._exhausted(context, request_id, str(e))
+        except asyncio.CancelledError:
+            refuse_request(request_id, _cancelled_status(None, context).name,
+                           "the RPC ended while its prompt was being tokenized", self.metrics)
+            raise
         if not self.dispatcher.has_live_worker():
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests")
-        now = time.monotonic()
-        remaining = context.time_remaining()
-        limits = [t for t in (remaining, self.config.gateway.request_timeout_s or None) if t is not None]
-        state = RequestState(request_id=request_id, prompt_ids=checked.prompt_ids, params=checked.params,
-                             priority=checked.priority, tokenizer=self.tokenizer, arrival_s=now,
-                             deadline_s=now + min(limits) if limits else None,
-                             stream_interval=self.config.gateway.stream_interval,
-                             hold_s=self.config.gateway.stream_hold_ms / 1e3)
+            await self._refuse(context, request_id, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests")
+        limits = [t for t in (remaining_s, gateway.request_timeout_s or None) if t is not None]
+        state = RequestState(request_id=request_id, internal_id=self.dispatcher.requests.new_id(),
+                             prompt_ids=checked.prompt_ids, params=checked.params, priority=checked.priority,
+                             tokenizer=self.tokenizer, arrival_s=arrival_s,
+                             deadline_s=arrival_s + min(limits) if limits else None,
+                             stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3)
         try:
             self.dispatcher.submit(state)
         except QueueFullError as e:
-            await self._exhausted(context, str(e))
+            await self._exhausted(context, request_id, str(e))
+        except DuplicateRequestError:
+            await self._refuse(context, request_id, grpc.StatusCode.ALREADY_EXISTS,
+                               f"request_id {request_id!r} is already in flight")
         return state
 
-    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        self.metrics.rejections.labels(code.name.lower()).inc()
-        self.metrics.request_status.labels(code.name).inc()
+    async def _validate(self, request: inference_pb2.GenerateRequest, num_chars: int):
+        """Tokenize and validate: on a pool thread when the input is large enough to stall the loop."""
+        args = (request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens)
+        if should_offload(num_chars, len(request.messages)):
+            return await self.offload.run(validate, *args, release_memory=num_chars >= RELEASE_MIN_CHARS)
+        return validate(*args)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, request_id: str, code: grpc.StatusCode,
+                      message: str) -> None:
+        refuse_request(request_id, code.name, message, self.metrics)
         await context.abort(code, message)
+
+    async def _exhausted(self, context: grpc.aio.ServicerContext, request_id: str, message: str) -> None:
+        context.set_trailing_metadata((("retry-after-ms", str(self.config.queues.retry_after_ms)),))
+        await self._refuse(context, request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{message}; retry after {self.config.queues.retry_after_ms} ms")
 
     async def _relay(self, state: RequestState, context: grpc.aio.ServicerContext):
         await context.send_initial_metadata((("request-id", state.request_id),))
@@ -158,7 +206,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     if has_tokens:
                         yield response
                 if deadline_passed:
-                    self.dispatcher.cancel(state.request_id, reason="error")
+                    self.dispatcher.cancel(state.internal_id, reason="error")
+                    state.status_code = grpc.StatusCode.DEADLINE_EXCEEDED
                     context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"request {state.request_id} passed its deadline while running")
@@ -167,7 +216,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 timer.cancel()
 
     async def Abort(self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        if not self.dispatcher.cancel(request.request_id):
+        if not self.dispatcher.cancel_by_client_id(request.request_id):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no queued or running request has id {request.request_id!r}")
         return inference_pb2.AbortResponse()
@@ -178,9 +227,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         status = inference_pb2.ClusterStatus(num_queued=len(self.dispatcher.queue), draining=self.draining)
         for worker in registry.workers.values():
             hb = worker.heartbeat
-            entry = status.workers.add(worker_id=worker.worker_id,
-                                       alive=worker.is_alive(registry.heartbeat_timeout_s, now),
-                                       ready=worker.is_ready(registry.heartbeat_timeout_s, now),
+            entry = status.workers.add(worker_id=worker.worker_id, alive=registry.is_alive(worker, now),
+                                       ready=registry.is_ready(worker, now),
                                        last_heartbeat_age_s=min(worker.heartbeat_age_s(now), 1e9),
                                        num_restarts=max(0, worker.num_incarnations - 1))
             if hb is not None:
@@ -192,11 +240,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 entry.utilization_percent, entry.hung = hb.utilization_percent, hb.is_hung
                 entry.memory_reserved_bytes, entry.memory_peak_bytes = hb.memory_reserved_bytes, hb.memory_peak_bytes
         return status
-
-    async def _exhausted(self, context: grpc.aio.ServicerContext, message: str) -> None:
-        context.set_trailing_metadata((("retry-after-ms", str(self.config.queues.retry_after_ms)),))
-        await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{message}; retry after {self.config.queues.retry_after_ms} ms")
 
     async def ProbeWorker(self, request: inference_pb2.ProbeWorkerRequest, context: grpc.aio.ServicerContext):
         if request.worker_id not in self.dispatcher.registry.workers:
@@ -253,7 +296,7 @@ class Gateway:
         now = time.monotonic()
         any_ready = False
         for worker in registry.workers.values():
-            ready = worker.is_ready(registry.heartbeat_timeout_s, now)
+            ready = registry.is_ready(worker, now)
             any_ready |= ready
             await self.health.set(worker.worker_id, serving if ready else not_serving)
         overall = serving if any_ready and not self.servicer.draining else not_serving
@@ -288,4 +331,5 @@ class Gateway:
             log.warning("grace period over with %d streams still open; closing them", self.servicer.num_streams)
         await self.server.stop(grace=1.0)
         await self.dispatcher.stop()
+        self.servicer.offload.shutdown()
         self._stopped.set()

@@ -1,5 +1,9 @@
 """One client stream's state: tokens received, text sent, stop strings, timings, its events.
 
+`request_id` is the client's name for the request; `internal_id` is the gateway's own, unique
+per admission, and the only one on the wire and in the worker, so nothing a finished request
+left behind (a late token, an abort) can reach a newer request that reuses the client's id.
+
 The dispatcher feeds worker deltas in (`on_tokens`); the servicer drains `events` and turns
 them into GenerateResponse messages. With `stream_interval` N > 1, tokens are grouped here,
 where they are produced, so a held token costs no event, no relay wake-up and no message: the
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.stop_strings import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling_params import SamplingParams
 
@@ -30,7 +35,8 @@ class StreamEvent:
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # the client's
+    internal_id: str  # the gateway's: on the wire, in the worker, in the dispatcher's tables
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
@@ -54,14 +60,16 @@ class RequestState:
     stream_interval: int = 1  # tokens per event (the gateway's stream_interval)
     hold_s: float = 0.05  # the longest a token waits for its group to fill
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # The gRPC status this stream ended with when the gateway ended it with one (a deadline,
+    # no live worker): what the status metric and the request log record.
+    status_code: grpc.StatusCode | None = None
 
     def __post_init__(self) -> None:
         self._held = StreamEvent()  # tokens waiting for stream_interval
         self._hold_timer: asyncio.TimerHandle | None = None
         self._emitted = False
         self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-        self._pending_text = ""  # decoded but held back: it might be the start of a stop string
-        self._hold_back = max((len(s) for s in self.params.stop), default=1) - 1
+        self._stops = StopMatcher(self.params.stop)
 
     @property
     def is_finished(self) -> bool:
@@ -75,19 +83,11 @@ class RequestState:
             self.first_token_s = now_s
         self.last_token_s = now_s
         self.output_ids.extend(token_ids)
-        self._pending_text += self._detok.push(token_ids)
-        if self.params.stop:
-            cut = _first_stop(self._pending_text, self.params.stop)
-            if cut is not None:
-                self._emit(self._pending_text[:cut], token_ids)
-                self._pending_text = ""
-                self.finish("stop", now_s)
-                return True
-        keep = self._hold_back if self.params.stop else 0
-        ready = len(self._pending_text) - keep
-        text, self._pending_text = self._pending_text[:max(ready, 0)], self._pending_text[max(ready, 0):]
+        text, stopped = self._stops.push(self._detok.push(token_ids))
         self._emit(text, token_ids)
-        return False
+        if stopped:
+            self._finish("stop", now_s, tail="")
+        return stopped
 
     def _emit(self, text: str, token_ids: list[int]) -> None:
         held = self._held
@@ -111,12 +111,14 @@ class RequestState:
         """The final event: any held-back text, then the finish reason."""
         if self.is_finished:
             return
-        tail = ""
-        if reason != "stop" or not self.params.stop:
-            tail = self._pending_text + self._detok.flush()
-            if self.params.stop and (cut := _first_stop(tail, self.params.stop)) is not None:
-                tail, reason = tail[:cut], "stop"
-        self._pending_text = ""
+        tail, stopped = self._stops.push(self._detok.flush())
+        if stopped:
+            reason = "stop"
+        else:
+            tail += self._stops.flush()
+        self._finish(reason, now_s, tail, error)
+
+    def _finish(self, reason: str, now_s: float, tail: str, error: str = "") -> None:
         self.finish_reason = reason
         self.finished_s = now_s
         self._flush_held()
@@ -126,6 +128,7 @@ class RequestState:
         """End the RPC with a gRPC error status (e.g. DEADLINE_EXCEEDED, UNAVAILABLE)."""
         if self.is_finished:
             return
+        self.status_code = status
         self.finish_reason = "error"
         self.finished_s = now_s
         self._flush_held()
@@ -140,7 +143,3 @@ class RequestState:
     def ttft_ms(self) -> float:
         return 0.0 if self.first_token_s is None else (self.first_token_s - self.arrival_s) * 1e3
 
-
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    positions = [i for s in stops if (i := text.find(s)) >= 0]
-    return min(positions) if positions else None

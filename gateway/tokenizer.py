@@ -4,7 +4,11 @@
 never import torch, so this reads the same files AutoTokenizer reads (`tokenizer.json` with the
 `tokenizers` library it wraps, `tokenizer_config.json` for special tokens and the chat template,
 rendered with jinja2 as transformers does); tests/test_gateway_tokenizer.py checks that both give
-identical ids, text and chat prompts. Also the incremental detokenizer used for streaming.
+identical ids, text and chat prompts. Encoding and rendering may run on several threads at once
+(gateway/offload.py): the Rust tokenizer is only read, and two threads rendering a template first
+at once at worst both compile it. Also the
+incremental detokenizer used for streaming, whose work per delta is a window of a few tokens, so
+it stays on the event loop.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ class Tokenizer:
         self._tok = RustTokenizer.from_file(str(path))
         self._tok.no_padding()
         self._tok.no_truncation()
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # tokenizers < 0.21
         self._config = _read_json(self.model_dir / "tokenizer_config.json")
         self.model_config = _read_json(self.model_dir / "config.json")
         self.chat_template = self._load_chat_template()
@@ -101,7 +106,11 @@ class Tokenizer:
 
     # ---- encode / decode -------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch API, because it releases the GIL while it encodes (`encode` holds it): a large
+        # prompt tokenized on a pool thread then leaves the event loop running. The fast variant
+        # skips character offsets, which the gateway never reads.
+        [encoding] = self._encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

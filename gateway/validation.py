@@ -1,7 +1,9 @@
 """Turn a public GenerateRequest into a validated prompt and SamplingParams, or a clear error.
 
 Every problem raises InvalidRequest with the gRPC status to return and a message that
-names the field and the value; nothing here touches queues or workers.
+names the field and the value; nothing here touches queues or workers. `check_sizes` is cheap
+(it reads lengths only) and runs first, so no work is done on anything over a bound; `validate`
+tokenizes and may be run on a pool thread (gateway/offload.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import grpc
 
 from gateway.tokenizer import Tokenizer, TokenizerError
 from protos import inference_pb2
+from shared.config import GatewayConfig
 from shared.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
@@ -38,6 +41,35 @@ class ValidatedRequest:
     num_truncated_tokens: int
 
 
+def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -> int:
+    """Refuse a request over any of the gateway's size bounds; returns the characters the prompt
+    (or the chat's messages) has, which is what tokenizing or rendering it costs."""
+    num_chars = len(request.prompt)
+    if num_chars > limits.max_prompt_chars:
+        raise _invalid(f"the prompt is {num_chars} characters; the gateway takes at most "
+                       f"{limits.max_prompt_chars} (gateway.max_prompt_chars)")
+    if len(request.messages) > limits.max_chat_messages:
+        raise _invalid(f"{len(request.messages)} chat messages; the gateway takes at most "
+                       f"{limits.max_chat_messages} (gateway.max_chat_messages)")
+    if request.messages:
+        num_chars = sum(len(m.content) + len(m.role) for m in request.messages)
+        if num_chars > limits.max_prompt_chars:
+            raise _invalid(f"the chat messages are {num_chars} characters together; the gateway takes at most "
+                           f"{limits.max_prompt_chars} (gateway.max_prompt_chars)")
+    stops = request.sampling.stop
+    if len(stops) > limits.max_stop_strings:
+        raise _invalid(f"{len(stops)} stop strings; the gateway takes at most {limits.max_stop_strings} "
+                       f"(gateway.max_stop_strings)")
+    for i, stop in enumerate(stops):
+        if len(stop) > limits.max_stop_chars:
+            raise _invalid(f"stop[{i}] is {len(stop)} characters; the gateway takes at most "
+                           f"{limits.max_stop_chars} per stop string (gateway.max_stop_chars)")
+    if len(request.sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise _invalid(f"{len(request.sampling.stop_token_ids)} stop_token_ids; the gateway takes at most "
+                       f"{limits.max_stop_token_ids} (gateway.max_stop_token_ids)")
+    return num_chars
+
+
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_LEN or not _REQUEST_ID.match(request_id):
         raise _invalid(f"request_id {request_id[:40]!r} must be 1-{MAX_REQUEST_ID_LEN} characters of letters, "
@@ -46,21 +78,14 @@ def check_request_id(request_id: str) -> None:
 
 def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
              default_max_tokens: int) -> ValidatedRequest:
-    prompt_ids = _prompt_ids(request, tokenizer)
+    prompt_ids, num_truncated = _prompt_ids(request, tokenizer, max_model_len)
     vocab = tokenizer.vocab_size
-    if request.truncate_prompt_tokens and len(prompt_ids) > request.truncate_prompt_tokens:
-        num_truncated = len(prompt_ids) - request.truncate_prompt_tokens
-        prompt_ids = prompt_ids[num_truncated:]
-    else:
-        num_truncated = 0
     params = _sampling(request.sampling, default_max_tokens, vocab)
     if not request.sampling.HasField("max_tokens"):
         # The default shrinks to fit the context; an explicit value never silently does.
         params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, max_model_len - len(prompt_ids))))
     if len(prompt_ids) >= max_model_len:
-        raise _invalid(f"the prompt is {len(prompt_ids)} tokens, but the model's context is {max_model_len} "
-                       f"tokens and at least one must be left to generate; shorten it or set "
-                       f"truncate_prompt_tokens")
+        raise _context_error(len(prompt_ids), max_model_len)
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise _invalid(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                        f"{len(prompt_ids) + params.max_tokens} exceeds the model's context of {max_model_len} "
@@ -68,7 +93,33 @@ def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_m
     return ValidatedRequest(prompt_ids, params, request.priority, num_truncated)
 
 
-def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int
+                ) -> tuple[list[int], int]:
+    """The prompt's token ids after truncate_prompt_tokens, and how many were cut."""
+    keep = request.truncate_prompt_tokens
+    if len(request.prompt_token_ids) > 0 and not (request.prompt or request.messages):
+        # Given ids: cut before copying or checking them (a request may carry a million), and
+        # refuse an over-long prompt before reading its ids.
+        num_given = len(request.prompt_token_ids)
+        num_truncated = num_given - keep if keep and num_given > keep else 0
+        if num_given - num_truncated >= max_model_len:
+            raise _context_error(num_given - num_truncated, max_model_len)
+        ids = list(request.prompt_token_ids[num_truncated:])
+        bad = [t for t in ids if t >= tokenizer.vocab_size]
+        if bad:
+            raise _invalid(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
+        return ids, num_truncated
+    ids = _encoded_prompt(request, tokenizer)
+    num_truncated = len(ids) - keep if keep and len(ids) > keep else 0
+    return ids[num_truncated:], num_truncated
+
+
+def _context_error(num_tokens: int, max_model_len: int) -> InvalidRequest:
+    return _invalid(f"the prompt is {num_tokens} tokens, but the model's context is {max_model_len} "
+                    f"tokens and at least one must be left to generate; shorten it or set truncate_prompt_tokens")
+
+
+def _encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     given = [name for name, present in (("prompt", request.prompt != ""),
                                          ("prompt_token_ids", len(request.prompt_token_ids) > 0),
                                          ("messages", len(request.messages) > 0)) if present]
@@ -80,12 +131,6 @@ def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer) ->
         ids = tokenizer.encode(request.prompt)
         if not ids:
             raise _invalid("the prompt encodes to no tokens")
-        return ids
-    if given[0] == "prompt_token_ids":
-        ids = list(request.prompt_token_ids)
-        bad = [t for t in ids if t >= tokenizer.vocab_size]
-        if bad:
-            raise _invalid(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
         return ids
     messages = []
     for i, m in enumerate(request.messages):

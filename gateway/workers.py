@@ -1,14 +1,19 @@
 """What the gateway knows of each worker: its last heartbeat, liveness and the work it holds.
 
-Liveness is judged only on this process's clock: the time a heartbeat arrived here, and
-the durations the worker reports. A new incarnation id means the worker process restarted,
-so everything the old one held is lost.
+The registry is the only writer of a `WorkerHandle`: the dispatcher says what it sent
+(`assign`) and what ended (`release`), and reads handles for their room. Liveness is judged
+only on this process's clock: the time a heartbeat arrived here, and the durations the worker
+reports. Silence counts only from when the gateway's loop could read heartbeats as they came
+(`heard_since`, from gateway/loop_lag.py): a worker is dead for missing heartbeats, never for a
+busy gateway. A new incarnation id means the worker process restarted, so everything the old
+one held is lost.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from protos import worker_pb2
 
@@ -27,11 +32,13 @@ class WorkerHandle:
     def heartbeat_age_s(self, now_s: float | None = None) -> float:
         return (time.monotonic() if now_s is None else now_s) - self.last_seen_s
 
-    def is_alive(self, timeout_s: float, now_s: float | None = None) -> bool:
-        return self.heartbeat is not None and self.heartbeat_age_s(now_s) <= timeout_s
+    def is_alive(self, timeout_s: float, now_s: float | None = None, heard_since_s: float = -math.inf) -> bool:
+        """Heartbeats fresh: none missed for `timeout_s`, counting from `heard_since_s` at the earliest."""
+        now_s = time.monotonic() if now_s is None else now_s
+        return self.heartbeat is not None and now_s - max(self.last_seen_s, heard_since_s) <= timeout_s
 
-    def is_ready(self, timeout_s: float, now_s: float | None = None) -> bool:
-        return self.is_alive(timeout_s, now_s) and self.heartbeat.ready
+    def is_ready(self, timeout_s: float, now_s: float | None = None, heard_since_s: float = -math.inf) -> bool:
+        return self.is_alive(timeout_s, now_s, heard_since_s) and self.heartbeat.ready
 
     def can_take(self) -> bool:
         """Dispatchable: ready and below the HIGH memory level."""
@@ -51,9 +58,18 @@ class WorkerHandle:
 
 
 class WorkerRegistry:
-    def __init__(self, worker_ids: list[str], heartbeat_timeout_s: float):
+    def __init__(self, worker_ids: list[str], heartbeat_timeout_s: float,
+                 heard_since: Callable[[float], float] = lambda now_s: -math.inf):
+        """`heard_since(now)`: the time from which a missed heartbeat counts (LoopLag.heard_since)."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.workers: dict[str, WorkerHandle] = {w: WorkerHandle(w) for w in worker_ids}
+        self._heard_since = heard_since
+
+    def is_alive(self, worker: WorkerHandle, now_s: float) -> bool:
+        return worker.is_alive(self.heartbeat_timeout_s, now_s, self._heard_since(now_s))
+
+    def is_ready(self, worker: WorkerHandle, now_s: float) -> bool:
+        return worker.is_ready(self.heartbeat_timeout_s, now_s, self._heard_since(now_s))
 
     def get(self, worker_id: str) -> WorkerHandle:
         if worker_id not in self.workers:  # a worker the config did not name: accept it
@@ -78,11 +94,31 @@ class WorkerRegistry:
             worker.blocks_reserved = 0
         return lost
 
+    def assign(self, worker_id: str, request_id: str, num_tokens: int) -> None:
+        """`request_id` was sent to the worker with `num_tokens` tokens to prefill: it holds a slot,
+        and its prompt's blocks are reserved until the next heartbeat reports them."""
+        worker = self.get(worker_id)
+        worker.assigned.add(request_id)
+        worker.blocks_reserved += worker.blocks_for(num_tokens)
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        """The request ended, moved or was cancelled: its slot is free again."""
+        self.get(worker_id).assigned.discard(request_id)
+
+    def release_reservations(self, worker_id: str) -> None:
+        """A request finished on the worker, so its reported free blocks are about to rise: stop
+        holding back the blocks reserved since its last heartbeat rather than wait for the next."""
+        self.get(worker_id).blocks_reserved = 0
+
+    def mark_unreachable(self, worker_id: str) -> None:
+        """A send found the worker disconnected: nothing more goes to it until it heartbeats again."""
+        self.get(worker_id).heartbeat = None
+
     def reap_dead(self, now_s: float) -> dict[str, set[str]]:
         """Workers whose heartbeats stopped: worker id -> the requests they held (now lost)."""
         dead = {}
         for worker in self.workers.values():
-            alive = worker.is_alive(self.heartbeat_timeout_s, now_s)
+            alive = self.is_alive(worker, now_s)
             if worker.was_alive and not alive:
                 dead[worker.worker_id] = set(worker.assigned)
                 worker.assigned.clear()
@@ -102,7 +138,7 @@ class WorkerRegistry:
         return lost
 
     def live(self, now_s: float) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if w.is_alive(self.heartbeat_timeout_s, now_s)]
+        return [w for w in self.workers.values() if self.is_alive(w, now_s)]
 
     def pick(self, now_s: float, num_tokens: int) -> WorkerHandle | None:
         """The dispatchable worker with the most room for a request of num_tokens prompt tokens."""

@@ -64,8 +64,8 @@ def test_detokenizer_starts_from_the_prompt_context(tokenizer):
 
 
 def _stream(tokenizer, stop, ids):
-    state = RequestState(request_id="r", prompt_ids=[5], params=SamplingParams(stop=stop, max_tokens=100),
-                         priority=0, tokenizer=tokenizer)
+    state = RequestState(request_id="r", internal_id="g-1", prompt_ids=[5],
+                         params=SamplingParams(stop=stop, max_tokens=100), priority=0, tokenizer=tokenizer)
     stopped = False
     for i in ids:
         stopped = state.on_tokens([i], 0.0)

@@ -1,0 +1,118 @@
+"""A client id reused the moment its request was cancelled names a new request, and only the new one:
+nothing of the old request (a late token, its abort) reaches it.
+
+Against a real one-worker cluster: a long stream runs, is cancelled (by the client, or by Abort
+with its id), and a short greedy request with the same id follows at once; it must give exactly
+the tokens it gives alone and end by length. 500 times, from two clients at once.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster_harness import Cluster, generate
+from gateway.request_table import DuplicateRequestError, RequestTable
+from gateway.streams import RequestState
+from protos import inference_pb2
+from shared.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+ROUNDS_PER_CLIENT = 250
+TIME_LIMIT_S = 25.0
+LONG = inference_pb2.SamplingOptions(max_tokens=400, ignore_eos=True, temperature=0.0)
+SHORT = dict(max_tokens=4, ignore_eos=True, temperature=0.0)
+SHORT_PROMPT = [9, 10, 11]
+
+
+def state(table: RequestTable, request_id: str) -> RequestState:
+    return RequestState(request_id=request_id, internal_id=table.new_id(), prompt_ids=[5],
+                        params=SamplingParams(), priority=0, tokenizer=None)
+
+
+def test_a_client_id_names_its_request_only_while_it_lives():
+    table, other = RequestTable(), RequestTable()
+    old = state(table, "x")
+    table.add(old)
+    with pytest.raises(DuplicateRequestError):
+        table.add(state(table, "x"))
+    assert table.pop(old.internal_id) is old and not table.is_live("x")
+    new = state(table, "x")
+    table.add(new)
+    assert new.internal_id != old.internal_id and table.by_client("x") is new
+    # Whatever still names the old request (a late delta, a second cancel) finds nothing, and
+    # forgetting it again leaves the new request's client id in place.
+    assert table.get(old.internal_id) is None and table.pop(old.internal_id) is None
+    assert table.by_client("x") is new and len(table) == 1
+    # Another gateway process (a restart) never hands out the same internal ids.
+    assert {other.new_id() for _ in range(100)}.isdisjoint({table.new_id() for _ in range(100)})
+
+
+def reuse_once(cluster, client_id: str, abort: bool, expected: list[int], outcomes: dict) -> str | None:
+    """One round: None when right, else what went wrong."""
+    old = cluster.stub.Generate(inference_pb2.GenerateRequest(
+        request_id=client_id, prompt_token_ids=[5, 6, 7, 8], sampling=LONG), timeout=30)
+    next(old)  # running on the worker now
+    if abort:
+        cluster.stub.Abort(inference_pb2.AbortRequest(request_id=client_id), timeout=10)
+    else:
+        old.cancel()
+    wrong = None
+    for _ in range(200):  # the gateway may not have seen the cancel yet: then the id is still live
+        try:
+            ids, _, last = generate(cluster.stub, timeout=30, request_id=client_id,
+                                    prompt_token_ids=SHORT_PROMPT, sampling=SHORT)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                outcomes["already_exists"] += 1
+                time.sleep(0.001)
+                continue
+            raise
+        if ids != expected or last.finish_reason != inference_pb2.FINISH_REASON_LENGTH:
+            wrong = f"{inference_pb2.FinishReason.Name(last.finish_reason)} {ids}"
+        break
+    try:
+        last_old = list(old)[-1:]  # an aborted stream ends by itself, with ABORT
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.CANCELLED or abort:
+            raise
+        last_old = []
+    if abort and (not last_old or last_old[0].finish_reason != inference_pb2.FINISH_REASON_ABORT):
+        wrong = wrong or f"the aborted stream did not end by its abort: {last_old}"
+    return wrong
+
+
+def reuse_rounds(cluster, client_id: str, expected: list[int], deadline_s: float, outcomes: dict) -> None:
+    for i in range(ROUNDS_PER_CLIENT):
+        if time.monotonic() > deadline_s:
+            return
+        try:
+            wrong = reuse_once(cluster, client_id, bool(i % 2), expected, outcomes)
+        except (grpc.RpcError, StopIteration) as e:
+            wrong = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else "the stream ended at once"
+        if wrong is None:
+            outcomes["right"] += 1
+        else:
+            outcomes["wrong"].append(wrong)
+
+
+def test_reused_id_after_cancel_gets_only_its_own_tokens(served_checkpoint):
+    with Cluster(served_checkpoint, num_workers=1) as cluster:
+        expected, _, _ = generate(cluster.stub, prompt_token_ids=SHORT_PROMPT, sampling=SHORT)
+        outcomes = {"right": 0, "wrong": [], "already_exists": 0}
+        deadline_s = time.monotonic() + TIME_LIMIT_S
+
+        threads = [threading.Thread(target=reuse_rounds, args=(cluster, f"reused-{n}", expected, deadline_s, outcomes))
+                   for n in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=TIME_LIMIT_S + 60)
+        took_s = time.monotonic() - deadline_s + TIME_LIMIT_S
+        print(f"reuse race: {outcomes['right']} right, {len(outcomes['wrong'])} wrong in {took_s:.1f} s "
+              f"({outcomes['already_exists']} ALREADY_EXISTS retries)")
+        assert outcomes["wrong"] == []
+        assert outcomes["right"] >= 200, outcomes  # 500 on an unloaded host (~6 s); at least this many

@@ -1,0 +1,149 @@
+"""Every outcome of Generate lands in the status metric and the request log exactly once, under the
+gRPC status the client saw: OK, DEADLINE_EXCEEDED (mid-stream and while queued), CANCELLED,
+RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ALREADY_EXISTS and UNAVAILABLE.
+
+The real gateway runs in front of one fake worker (20 ms a token, one request at a time), so
+a stream lasts exactly as long as a test needs.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from gateway_fake_cluster import FakeCluster, metric, request
+
+pytestmark = pytest.mark.timeout(120)
+
+SECTIONS = {"worker": {"max_num_seqs": 1, "max_queued": 0},
+            "queues": {"max_queued_requests": 2, "batch_window_ms": 0.0},
+            "gateway": {"resume_grace_s": 0.2}}
+LONG = dict(max_tokens=400, ignore_eos=True)  # 8 s on the fake worker: outlives every test below
+
+
+@pytest.fixture(scope="module")
+def cluster(served_checkpoint):
+    with FakeCluster(served_checkpoint, step_ms=20, sections=SECTIONS) as c:
+        yield c
+
+
+def outcome(call) -> grpc.StatusCode:
+    try:
+        for _ in call:
+            pass
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
+def started(cluster, request_id: str, timeout: float = 60.0):
+    """A long stream that holds the only slot; returned after its first token."""
+    call = cluster.stub.Generate(request(request_id=request_id, sampling=LONG), timeout=timeout)
+    next(call)
+    return call
+
+
+def wait_records(cluster, request_ids: list[str], each: int = 1, timeout_s: float = 10.0) -> dict[str, list[dict]]:
+    """The log's records of each id, once it has `each` of them (or the wait is over)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = {rid: [r for r in cluster.request_records() if r["request_id"] == rid] for rid in request_ids}
+        if all(len(found) >= each for found in records.values()) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def assert_accounted(cluster, before: dict, code: str, request_ids: list[str]) -> None:
+    records = wait_records(cluster, request_ids)
+    for rid, found in records.items():
+        assert [r["status_code"] for r in found] == [code], (rid, found)
+    # Every record is in before the metric is scraped: the gateway counts and logs in one place.
+    after = cluster.metrics()
+    assert (metric(after, "inference_request_status_total", code=code)
+            - metric(before, "inference_request_status_total", code=code)) == len(request_ids)
+
+
+def test_ok(cluster):
+    before = cluster.metrics()
+    assert outcome(cluster.stub.Generate(request(request_id="acct-ok", sampling=dict(max_tokens=3)),
+                                         timeout=30)) == grpc.StatusCode.OK
+    assert_accounted(cluster, before, "OK", ["acct-ok"])
+
+
+def test_deadline_mid_stream_is_deadline_exceeded(served_checkpoint):
+    # The client's deadline (its own cancel) and the gateway's deadline timer fire at about the same
+    # instant; whichever wins, the count must say what the client saw. Sixteen streams whose
+    # deadlines pass together, four times: the old miscount (CANCELLED or UNKNOWN) was such a race.
+    sections = {"worker": {"max_num_seqs": 32, "max_queued": 0}}
+    with FakeCluster(served_checkpoint, step_ms=2, sections=sections) as cluster:
+        before = cluster.metrics()
+        ids = [f"acct-deadline-{i}" for i in range(64)]
+        codes = {}
+
+        def client(rid):
+            codes[rid] = outcome(cluster.stub.Generate(request(request_id=rid, sampling=LONG), timeout=0.5))
+
+        for group in (ids[i:i + 16] for i in range(0, len(ids), 16)):
+            threads = [threading.Thread(target=client, args=(rid,)) for rid in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+        assert set(codes.values()) == {grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+        assert_accounted(cluster, before, "DEADLINE_EXCEEDED", ids)
+        records = wait_records(cluster, ids)
+        assert all(r[0]["completion_tokens"] > 0 for r in records.values()), "deadlines did not pass mid-stream"
+
+
+def test_client_cancel_is_cancelled(cluster):
+    before = cluster.metrics()
+    call = started(cluster, "acct-cancel")
+    call.cancel()
+    assert outcome(call) == grpc.StatusCode.CANCELLED
+    assert_accounted(cluster, before, "CANCELLED", ["acct-cancel"])
+
+
+def test_deadline_while_queued_and_a_full_queue(cluster):
+    before = cluster.metrics()
+    blocker = started(cluster, "acct-blocker")
+    assert outcome(cluster.stub.Generate(request(request_id="acct-queued-deadline"), timeout=0.3)
+                   ) == grpc.StatusCode.DEADLINE_EXCEEDED
+    queued = [cluster.stub.Generate(request(request_id=f"acct-queued-{i}"), timeout=60) for i in range(2)]
+    deadline = time.monotonic() + 10
+    while cluster.status().num_queued < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert outcome(cluster.stub.Generate(request(request_id="acct-full"), timeout=10)
+                   ) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    blocker.cancel()
+    assert [outcome(c) for c in queued] == [grpc.StatusCode.OK] * 2
+    assert_accounted(cluster, before, "DEADLINE_EXCEEDED", ["acct-queued-deadline"])
+    assert_accounted(cluster, before, "RESOURCE_EXHAUSTED", ["acct-full"])
+
+
+def test_refusals(cluster):
+    before = cluster.metrics()
+    assert outcome(cluster.stub.Generate(request((), request_id="acct-invalid"), timeout=10)
+                   ) == grpc.StatusCode.INVALID_ARGUMENT
+    live = started(cluster, "acct-twice")
+    assert outcome(cluster.stub.Generate(request(request_id="acct-twice"), timeout=10)
+                   ) == grpc.StatusCode.ALREADY_EXISTS
+    live.cancel()
+    assert_accounted(cluster, before, "INVALID_ARGUMENT", ["acct-invalid"])
+    records = wait_records(cluster, ["acct-twice"], each=2)["acct-twice"]
+    assert sorted(r["status_code"] for r in records) == ["ALREADY_EXISTS", "CANCELLED"], records
+    after = cluster.metrics()
+    assert (metric(after, "inference_request_status_total", code="ALREADY_EXISTS")
+            - metric(before, "inference_request_status_total", code="ALREADY_EXISTS")) == 1
+
+
+def test_no_worker_left_is_unavailable(cluster):
+    # Last in this module: it kills the only worker.
+    before = cluster.metrics()
+    call = started(cluster, "acct-orphaned")
+    cluster.kill_worker("worker-0")
+    assert outcome(call) == grpc.StatusCode.UNAVAILABLE
+    assert outcome(cluster.stub.Generate(request(request_id="acct-refused"), timeout=10)
+                   ) == grpc.StatusCode.UNAVAILABLE
+    assert_accounted(cluster, before, "UNAVAILABLE", ["acct-orphaned", "acct-refused"])
