@@ -16,8 +16,8 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
-# Below these an input is prepared on the loop: ~1 ms of tokenizing (~0.4 us a character
-# measured on models/default) or of template rendering.
+# Below these an input is prepared on the loop: about a millisecond of tokenizing or template
+# rendering (docs/architecture.md, Reliability), less than a thread hand-off is worth.
 OFFLOAD_MIN_CHARS = 2048
 OFFLOAD_MIN_MESSAGES = 64
 PENDING_PER_THREAD = 4

@@ -55,3 +55,15 @@ def served_checkpoint(tmp_path_factory):
                            max_position_embeddings=SERVED_MAX_POSITIONS)
     make_tokenizer(path, vocab_size=320)
     return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints):
+    return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(served_checkpoint):
+    """The gateway's tokenizer over the served checkpoint (test_default_model has its own)."""
+    from gateway.tokenizer import Tokenizer
+    return Tokenizer(served_checkpoint)

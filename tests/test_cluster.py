@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster_harness import SERVED_MAX_POSITIONS, Cluster, generate
-from gateway.tokenizer import Tokenizer
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,11 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 def cluster(served_checkpoint):
     with Cluster(served_checkpoint, num_workers=2) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tokenizer(served_checkpoint):
-    return Tokenizer(served_checkpoint)
 
 
 def wait_all_free(cluster, timeout_s: float = 10.0) -> inference_pb2.ClusterStatus:

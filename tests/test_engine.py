@@ -11,11 +11,6 @@ from worker.engine import Engine, RequestRejectedError, SamplingParams
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(checkpoints):
-    return checkpoints["llama"]
-
-
 def _drain(engine: Engine, max_steps: int = 10_000) -> dict:
     final = {}
     for _ in range(max_steps):

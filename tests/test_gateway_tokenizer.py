@@ -13,11 +13,6 @@ from shared.sampling_params import SamplingParams
 TEXTS = ["Once upon a time", "héllo wörld — naïve café", "日本語のテキスト 🙂 ✓", "  leading spaces\nand lines"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(served_checkpoint):
-    return Tokenizer(served_checkpoint)
-
-
 def test_encode_decode_and_chat_match_autotokenizer(tokenizer, served_checkpoint):
     from transformers import AutoTokenizer
     reference = AutoTokenizer.from_pretrained(served_checkpoint, local_files_only=True)

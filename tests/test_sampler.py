@@ -19,7 +19,7 @@ from worker.sampler import (
 @pytest.fixture(autouse=True, scope="module")
 def _single_intra_op_thread():
     # Every tensor here is tiny; on a loaded CI box each multi-threaded op otherwise waits milliseconds for a
-    # descheduled worker thread (seen: 12 ms per [6, 50] softmax). Restored afterwards for other test files.
+    # descheduled worker thread (milliseconds for a tiny softmax). Restored afterwards for other test files.
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

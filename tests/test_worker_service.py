@@ -59,11 +59,6 @@ class Pressure:
         return MemoryReading(used_bytes=self.pool_bytes + self.extra, total_bytes=1 << 40)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(checkpoints):
-    return checkpoints["llama"]
-
-
 def make_service(model_dir, read_memory=None, endpoint=None, engine=None, **worker) -> WorkerService:
     engine = engine or Engine.from_model_dir(model_dir, num_kv_blocks=64, block_size=4, max_num_seqs=8)
     config = load_config(None, {"model_dir": str(model_dir),

@@ -30,7 +30,6 @@ from worker.model.quantization import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
-LOAD_MODES = ("full", "sharded", "on_demand")
 ON_DEMAND_SLOTS = 2  # the current layer and the one being prefetched
 # nn.Module's hook tables: a slot running as layer i takes layer i's (see OnDemandLayers.run_layers).
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -39,33 +38,6 @@ HOST = torch.device("cpu")
 
 
 # ---- the plan --------------------------------------------------------------------------------
-def validate_load_mode(load_mode: str, devices: Sequence[str], device: str = "auto") -> None:
-    """What can be checked without the model: raises ValueError naming the problem."""
-    if load_mode not in LOAD_MODES:
-        raise ValueError(f"load_mode must be one of {list(LOAD_MODES)}, got {load_mode!r}")
-    if load_mode != "sharded":
-        if devices:
-            raise ValueError(f"devices={tuple(devices)} is only for load_mode 'sharded' (got load_mode "
-                             f"{load_mode!r}); use `device` for one device")
-        return
-    if len(devices) < 2:
-        raise ValueError(f"load_mode 'sharded' needs at least 2 entries in devices (one per pipeline stage), "
-                         f"got {tuple(devices)}")
-    parsed = []
-    for i, name in enumerate(devices):
-        try:
-            parsed.append(torch.device(name))
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"devices[{i}] = {name!r} is not a device: {e}") from None
-    types = {d.type for d in parsed}
-    if len(types) > 1:
-        # One dtype, one sampler and one kind of memory accounting per worker.
-        raise ValueError(f"sharded devices must all be of one type, got {tuple(devices)}")
-    if device != "auto" and torch.device(device).type not in types:
-        raise ValueError(f"device={device!r} contradicts devices={tuple(devices)}; with load_mode 'sharded' "
-                         "leave device 'auto' (the first of devices takes the inputs)")
-
-
 @dataclass(frozen=True)
 class WeightPlacement:
     """Which device each part of the model is loaded onto."""
@@ -107,8 +79,8 @@ def split_layers(num_layers: int, num_stages: int) -> list[int]:
 def plan_weights(load_mode: str, device: torch.device | str, devices: Sequence[str], num_layers: int,
                  stage_of_layer: Sequence[int] | None = None) -> WeightPlacement:
     """The plan for a model of `num_layers` decoder layers. `device` is the worker's device (full,
-    on_demand); `devices` the pipeline stages (sharded); `stage_of_layer` overrides the even split."""
-    validate_load_mode(load_mode, devices)
+    on_demand); `devices` the pipeline stages (sharded); `stage_of_layer` overrides the even split.
+    The settings themselves were checked by EngineConfig; what needs the model is checked here."""
     device = torch.device(device)
     if load_mode == "full":
         return WeightPlacement.single(device, num_layers)
