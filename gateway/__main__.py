@@ -64,9 +64,9 @@ def run_supervisor(config: ClusterConfig, child_args: list[str]) -> int:
     if endpoint.startswith("ipc://") and ipc_listener_alive(Path(endpoint[len("ipc://"):])):
         logging.getLogger("supervisor").error("another gateway is already listening at %s (same run_dir)", endpoint)
         return 2
-    # The restart policy is the workers' (worker.restart_backoff_s): one supervisor, one policy.
-    return supervise("gateway", [sys.executable, "-m", "gateway", *child_args], config.worker.restart_backoff_s,
-                     config.worker.max_restart_backoff_s, stop_timeout_s=config.gateway.drain_grace_s + STOP_SLACK_S)
+    max_backoff_s = max(config.gateway.restart_backoff_s, config.worker.max_restart_backoff_s)
+    return supervise("gateway", [sys.executable, "-m", "gateway", *child_args], config.gateway.restart_backoff_s,
+                     max_backoff_s, stop_timeout_s=config.gateway.drain_grace_s + STOP_SLACK_S)
 
 
 if __name__ == "__main__":

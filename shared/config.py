@@ -54,6 +54,10 @@ class GatewayConfig:
     # A stream whose worker died waits this long (never past its deadline) for a live worker
     # before it fails UNAVAILABLE: a restarted worker is often back within seconds.
     resume_grace_s: float = 5.0
+    # `python -m gateway --supervise`: first delay before restarting a gateway that exited, doubled
+    # per quick crash up to worker.max_restart_backoff_s. A gateway loads no model, so it restarts
+    # sooner than a worker: clients are refused for as long as it is down.
+    restart_backoff_s: float = 0.1
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
@@ -62,6 +66,7 @@ class GatewayConfig:
         for name in ("max_stop_strings", "max_stop_token_ids"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
         _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
+        _check(self.restart_backoff_s > 0, "gateway.restart_backoff_s", self.restart_backoff_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
         _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
         _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
