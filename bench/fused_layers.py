@@ -50,13 +50,11 @@ def compare(model_dir: Path, new_tokens: int, repeats: int) -> dict[str, float]:
     """Median ms per decode step for each route, over alternating runs."""
     from worker.engine import Engine
     from worker.model import cpu_kernels
-    from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
+    from worker.model.cpu_fast_path import CpuFastPath
 
     engine = Engine.from_model_dir(model_dir, num_kv_blocks=64)
     one_call = engine.runner.fast_path
-    if one_call is None:  # an engine that does not choose its fast path itself
-        one_call, reason = choose_fast_path(engine.model, engine.runner.attention_fn)
-        assert one_call is not None, reason
+    assert one_call is not None, "the engine chose no CPU fast path (see its 'fast path:' log line)"
     routes = {"one call": one_call, "kernel by kernel": CpuFastPath(engine.model, cpu_kernels.load(), one_call=False),
               "modules": None}
     engine.runner.fast_path = one_call

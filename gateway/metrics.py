@@ -71,9 +71,8 @@ class Metrics:
         self.queue_time = histogram("inference_request_queue_time_seconds", "Time in the gateway queue.")
         self.prefill_time = histogram("inference_request_prefill_time_seconds", "Worker: first step to first token.")
         self.decode_time = histogram("inference_request_decode_time_seconds", "First token to the last.")
-        self.loop_lag = Histogram("inference_gateway_event_loop_lag_seconds", "How late the gateway's event loop "
-                                  "runs a short periodic timer: what a stream or heartbeat waits for it.",
-                                  buckets=LATENCY_BUCKETS_S, registry=r)
+        self.loop_lag = histogram("inference_gateway_event_loop_lag_seconds", "How late the gateway's event loop "
+                                  "runs a short periodic timer: what a stream or heartbeat waits for it.", labels=())
         self._last_counts: dict[tuple[str, str], tuple[str, int]] = {}
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:

@@ -36,7 +36,6 @@ def should_offload(num_chars: int, num_messages: int) -> bool:
 
 class Offload:
     def __init__(self, num_threads: int, max_pending: int | None = None):
-        self.num_threads = num_threads
         self.max_pending = max_pending if max_pending is not None else num_threads * PENDING_PER_THREAD
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gateway-offload")
         self.num_pending = 0  # submitted and not yet done (running or queued)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from typing import Iterator
 
 from gateway.streams import RequestState
 
@@ -54,11 +53,5 @@ class RequestTable:
             del self._by_client[state.request_id]
         return state
 
-    def __contains__(self, internal_id: str) -> bool:
-        return internal_id in self._by_internal
-
     def __len__(self) -> int:
         return len(self._by_internal)
-
-    def __iter__(self) -> Iterator[RequestState]:
-        return iter(list(self._by_internal.values()))

@@ -56,13 +56,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 class Supervisor:
     def __init__(self, name: str, child_argv: list[str], backoff_s: float, max_backoff_s: float,
-                 stop_timeout_s: float = STOP_TIMEOUT_S, stable_run_s: float = STABLE_RUN_S):
+                 stop_timeout_s: float = STOP_TIMEOUT_S):
         self.name = name
         self.child_argv = child_argv
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.stop_timeout_s = stop_timeout_s
-        self.stable_run_s = stable_run_s
         self.stopping = threading.Event()
         self.child: subprocess.Popen | None = None
         self._child_told = False  # this child has had its SIGTERM: once is enough
@@ -74,15 +73,15 @@ class Supervisor:
 
     def stop(self, signum=None, _frame=None) -> None:
         self.stopping.set()
-        self._signal_child(signal.SIGTERM)
+        self._terminate_child()
 
-    def _signal_child(self, sig: int) -> None:
+    def _terminate_child(self) -> None:
         child = self.child
-        if child is None or child.poll() is not None or (sig == signal.SIGTERM and self._child_told):
+        if child is None or child.poll() is not None or self._child_told:
             return
-        self._child_told |= sig == signal.SIGTERM
+        self._child_told = True
         try:
-            child.send_signal(sig)
+            child.send_signal(signal.SIGTERM)
         except ProcessLookupError:
             pass
 
@@ -96,13 +95,10 @@ class Supervisor:
             self.child = subprocess.Popen(self.child_argv, preexec_fn=lambda: _die_with_parent(parent))
             self.num_starts += 1
             log.info("started %s pid %d (start #%d)", self.name, self.child.pid, self.num_starts)
-            # A stop that landed while Popen ran found no child to signal.
-            if self.stopping.is_set():
-                self._signal_child(signal.SIGTERM)
             returncode = self._wait()
             if self.stopping.is_set():
                 break
-            delay = self.backoff_s if time.monotonic() - started > self.stable_run_s else delay
+            delay = self.backoff_s if time.monotonic() - started > STABLE_RUN_S else delay
             log.warning("%s exited with %s; restarting in %.1f s", self.name, returncode, delay)
             self.child = None  # gone on its own: a stop during the backoff has nothing to drain
             self.stopping.wait(delay)
@@ -123,7 +119,7 @@ class Supervisor:
         if child is None:
             return 0
         if child.poll() is None:
-            self._signal_child(signal.SIGTERM)
+            self._terminate_child()
             try:
                 child.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:

@@ -229,13 +229,13 @@ def test_linear_module_repacks_when_its_data_is_swapped():
 
 
 def test_released_linear_keeps_only_panels_and_still_computes_and_reads():
-    from worker.model.layers import release_float_weights, unpack_panels
+    from worker.model.layers import unpack_panels
     torch.manual_seed(2)
     layer = Linear(24, 3 * PANEL + 5, bias=True)
     reference = layer.weight.detach().clone()
     x = torch.randn(4, 24)
     expected = F.linear(x, reference, layer.bias)
-    assert release_float_weights(torch.nn.Sequential(layer)) == 1
+    assert layer.release_float_weight()
     assert "weight" not in dict(layer.named_parameters()) and "weight_panels" in dict(layer.named_buffers())
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.weight, reference)  # rebuilt from the panels for readers (quantization)

@@ -151,15 +151,16 @@ class ModelRunner:
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with torch.inference_mode(), stream_ctx:
             input_ids, positions, meta, logits_indices, sampled = self._prepare([seqs[i] for i in order])
-            if self.fast_path is not None:
-                hidden = self.fast_path.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-            else:
+            # Read once: the fast path and the modules compute the same step, logits included.
+            computes = self.fast_path if self.fast_path is not None else self.model
+            if computes is self.model:  # called as a module, so forward hooks fire
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)
+            else:
+                hidden = computes.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
             if not sampled:
                 return [None] * len(seqs)
             logits = self.logits[:len(sampled)]
             logits_indices = logits_indices.to(self.output_device, non_blocking=True)
-            computes = self.fast_path if self.fast_path is not None else self.model
             computes.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
             batch = SamplingBatch(params=[seqs[order[j]].params for j in sampled],
                                   generators=[seqs[order[j]].generator for j in sampled],

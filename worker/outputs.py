@@ -23,7 +23,6 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)  # one per sampled token when requested
     error: str | None = None
     peak_kv_blocks: int = 0  # the most KV blocks the request held at once
-    finished: bool = True
 
 
 @dataclass(frozen=True)

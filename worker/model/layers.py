@@ -102,12 +102,6 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, out=out)
 
 
-def release_float_weights(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
-    """Every float32 CPU Linear of `model` but those in `keep` holds its weight as packed panels
-    only; how many did."""
-    return sum(m.release_float_weight() for m in model.modules() if isinstance(m, Linear) and m not in keep)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

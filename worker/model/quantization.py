@@ -153,8 +153,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
-              has_input_scale: bool = False, dtype: torch.dtype = torch.float32,
-              plan: "QuantizationPlan | None" = None) -> "QuantizedLinear":
+              has_input_scale: bool = False, dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
         """A shell with the right buffers (uninitialised) for `load_state_dict` to fill."""
         n, k = shape
         if bits == 8:
@@ -166,7 +165,7 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"bits must be 8 or 4, got {bits}")
         return cls(qw, torch.empty(n) if has_bias else None, dtype,
-                   input_scale=torch.empty(k) if has_input_scale else None, plan=plan)
+                   input_scale=torch.empty(k) if has_input_scale else None)
 
     @property
     def qw(self) -> QuantizedWeight:
@@ -273,6 +272,9 @@ def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
     return getattr(layer, attribute)
 
 
+PATH_TIMING_REPEATS = 3  # timed runs per path and row count when a plan measures a layer
+
+
 class QuantizationPlan:
     """One model's quantized-layer state: the compute paths measured per kind of layer, and one
     scratch buffer per (device, dtype) that the dequant path rebuilds weights into. Layers run
@@ -281,8 +283,7 @@ class QuantizationPlan:
     Made per engine (or per model loaded), never process-wide: a path measured for one engine,
     or a buffer grown for another model's shapes, must not reach the next one."""
 
-    def __init__(self, repeats: int = 3):
-        self.repeats = repeats
+    def __init__(self):
         self._paths: dict[tuple, tuple[str, str]] = {}
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -300,8 +301,8 @@ class QuantizationPlan:
         and timing each of a large model's hundreds of projections would cost minutes at start)."""
         key = (layer.bits, layer.shape, layer.group_size, layer.qweight.device, layer.scales.dtype)
         if key not in self._paths:
-            self._paths[key] = (choose_path(layer, rows=4, repeats=self.repeats),
-                                choose_path(layer, rows=128, repeats=self.repeats))
+            self._paths[key] = (choose_path(layer, rows=4, repeats=PATH_TIMING_REPEATS),
+                                choose_path(layer, rows=128, repeats=PATH_TIMING_REPEATS))
         layer.small_path, layer.path = self._paths[key]
         return self._paths[key]
 

@@ -40,14 +40,13 @@ class QuantizationReport:
 
 
 def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool = True,
-                   input_scales: dict[str, torch.Tensor] | None = None,
-                   plan: QuantizationPlan | None = None) -> QuantizationReport:
+                   input_scales: dict[str, torch.Tensor] | None = None) -> QuantizationReport:
     """Replace each targeted nn.Linear by a QuantizedLinear. With `input_scales[name]` (s^-1
     per input channel), the weight quantized is W * s and the layer scales its input by s^-1,
     which leaves the product unchanged and the salient channels better resolved. Every new
-    layer belongs to `plan` (a new one for this model if not given), which measures the paths."""
+    layer belongs to one QuantizationPlan made for this model, which measures the paths."""
     report = QuantizationReport()
-    plan = plan if plan is not None else QuantizationPlan()
+    plan = QuantizationPlan()
     input_scales = input_scales or {}
     embedding = getattr(model, "embed_tokens", None)
     for full_name, parent, name, linear in list(quantization_targets(model)):

@@ -87,10 +87,9 @@ def install_quantized_shells(model: Transformer, qconfig: dict, dtype: torch.dty
         setattr(parent, attribute, shell)
 
 
-def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: bool = True,
-                         plan: QuantizationPlan | None = None) -> None:
+def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: bool = True) -> None:
     """Fill a materialised model (shells installed) from the quantized checkpoint's tensors; its
-    quantized layers then belong to `plan` (a new one for this model if not given)."""
+    quantized layers then share a QuantizationPlan of their own."""
     state = model.state_dict()
     tied = model.config.tie_word_embeddings
     expected = {n for n in state if not n.startswith("rotary.")} - ({"lm_head.weight"} if tied else set())
@@ -108,7 +107,7 @@ def load_quantized_state(model: Transformer, model_dir: Path, measure_paths: boo
     missing = sorted(expected - found)
     if missing:
         raise ValueError(f"quantized checkpoint {model_dir} is missing tensors: {missing[:8]}")
-    plan = plan if plan is not None else QuantizationPlan()
+    plan = QuantizationPlan()
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.plan = plan

@@ -15,7 +15,6 @@ from safetensors import safe_open
 
 from worker.model.config import ModelConfig
 from worker.model.placement import WeightPlacement
-from worker.model.quantization import QuantizationPlan
 from worker.model.quantized_checkpoint import install_quantized_shells, load_quantized_state, quantization_config
 from worker.model.transformer import Transformer
 
@@ -58,12 +57,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=None,
-               max_positions: int | None = None, placement: WeightPlacement | None = None,
-               quantization_plan: QuantizationPlan | None = None) -> Transformer:
+               max_positions: int | None = None, placement: WeightPlacement | None = None) -> Transformer:
     """Load onto `device`, or where `placement` puts each part (worker/model/placement.py). The
     layer loop of a sharded or on-demand plan is attached afterwards by `attach_placement`, so
     that whatever rewrites layers in between (quantization) sees ordinary modules. The layers of
-    a quantized checkpoint belong to `quantization_plan` (a new one for this model if not given)."""
+    a quantized checkpoint share one QuantizationPlan of their own."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     plan = placement or WeightPlacement.single(device, config.num_layers)
@@ -81,7 +79,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
     _materialize(model, plan)
     model.rotary.build_table(plan.embed_device)  # cos/sin stay float32 whatever the model dtype
     if qconfig is not None:
-        load_quantized_state(model, model_dir, plan=quantization_plan)
+        load_quantized_state(model, model_dir)
     else:
         _load_weights(model, checkpoint_files(model_dir), dtype)
     if config.tie_word_embeddings and plan.head_device != plan.embed_device and isinstance(model.lm_head, torch.nn.Linear):
