@@ -13,11 +13,10 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
 from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args
 from shared.cpu_affinity import GATEWAY, pin_process
-from shared.ipc import EndpointInUseError, ipc_listener_alive, remove_stale_ipc_socket
+from shared.ipc import EndpointInUseError, check_no_listener, remove_stale_ipc_socket
 from shared.supervisor import supervise
 
 SUPERVISE_FLAG = "--supervise"
@@ -61,8 +60,10 @@ def run_supervisor(config: ClusterConfig, child_args: list[str]) -> int:
     endpoint = config.worker_endpoint
     # A second cluster started on the same run_dir stops here, once, instead of its gateway
     # failing the same check in a restart loop.
-    if endpoint.startswith("ipc://") and ipc_listener_alive(Path(endpoint[len("ipc://"):])):
-        logging.getLogger("supervisor").error("another gateway is already listening at %s (same run_dir)", endpoint)
+    try:
+        check_no_listener(endpoint)
+    except EndpointInUseError as e:
+        logging.getLogger("supervisor").error("%s", e)
         return 2
     max_backoff_s = max(config.gateway.restart_backoff_s, config.worker.max_restart_backoff_s)
     return supervise("gateway", [sys.executable, "-m", "gateway", *child_args], config.gateway.restart_backoff_s,

@@ -118,21 +118,19 @@ class RequestState:
             tail += self._stops.flush()
         self._finish(reason, now_s, tail, error)
 
-    def _finish(self, reason: str, now_s: float, tail: str, error: str = "") -> None:
+    def _finish(self, reason: str, now_s: float, tail: str, error: str = "",
+                status: grpc.StatusCode | None = None) -> None:
         self.finish_reason = reason
         self.finished_s = now_s
         self._flush_held()
-        self.events.put_nowait(StreamEvent(text=tail, finish_reason=reason, error=error))
+        self.events.put_nowait(StreamEvent(text=tail, finish_reason=reason, error=error, status=status))
 
     def fail(self, status: grpc.StatusCode, message: str, now_s: float) -> None:
         """End the RPC with a gRPC error status (e.g. DEADLINE_EXCEEDED, UNAVAILABLE)."""
         if self.is_finished:
             return
         self.status_code = status
-        self.finish_reason = "error"
-        self.finished_s = now_s
-        self._flush_held()
-        self.events.put_nowait(StreamEvent(finish_reason="error", error=message, status=status))
+        self._finish("error", now_s, "", message, status=status)
 
     @property
     def queue_ms(self) -> float:

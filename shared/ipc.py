@@ -59,9 +59,13 @@ def decode(frame: bytes) -> worker_pb2.Envelope:
     return envelope
 
 
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ipc:// endpoint; None for any other transport."""
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
 def check_endpoint(endpoint: str) -> str:
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint[len("ipc://"):])
+    if (path := ipc_path(endpoint)) is not None:
         if len(str(path)) > _MAX_IPC_PATH:
             raise ValueError(f"ipc endpoint path is {len(str(path))} bytes, over the {_MAX_IPC_PATH}-byte "
                              f"limit of unix sockets: {path}; use a shorter run_dir")
@@ -91,6 +95,14 @@ def ipc_listener_alive(path: Path) -> bool:
         probe.close()
 
 
+def check_no_listener(endpoint: str) -> None:
+    """Raise EndpointInUseError if a live gateway already listens at this ipc:// endpoint."""
+    path = ipc_path(endpoint)
+    if path is not None and ipc_listener_alive(path):
+        raise EndpointInUseError(f"another gateway is already listening at {endpoint} (same run_dir); stop it "
+                                 f"or choose another run_dir")
+
+
 def remove_stale_ipc_socket(endpoint: str) -> bool:
     """Before binding: remove the socket file a gateway that died without closing (kill -9)
     left at an ipc:// endpoint. True if one was removed.
@@ -99,9 +111,9 @@ def remove_stale_ipc_socket(endpoint: str) -> bool:
     same run_dir would then take every worker's next connection away from the first. So a
     socket someone still listens on raises EndpointInUseError, and a file that is not a
     socket is left alone (ValueError) rather than deleted."""
-    if not endpoint.startswith("ipc://"):
+    path = ipc_path(endpoint)
+    if path is None:
         return False
-    path = Path(endpoint[len("ipc://"):])
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
@@ -109,9 +121,7 @@ def remove_stale_ipc_socket(endpoint: str) -> bool:
     if not stat.S_ISSOCK(mode):
         raise ValueError(f"{path} exists and is not a socket; the gateway would bind over it. Remove it or "
                          f"choose another run_dir")
-    if ipc_listener_alive(path):
-        raise EndpointInUseError(f"another gateway is already listening at {endpoint} (same run_dir); stop it "
-                                 f"or choose another run_dir")
+    check_no_listener(endpoint)
     path.unlink(missing_ok=True)
     return True
 
@@ -146,8 +156,8 @@ class GatewaySocket:
 
     def close(self) -> None:
         self.socket.close(linger=0)
-        if self.endpoint.startswith("ipc://"):
-            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        if (path := ipc_path(self.endpoint)) is not None:
+            path.unlink(missing_ok=True)
 
 
 class WorkerSocket:
