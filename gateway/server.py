@@ -131,8 +131,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         except InvalidRequest as e:
             await self._refuse(context, request_id, e.code, e.message)
         if self.dispatcher.requests.is_live(request_id):  # cheap to tell now; checked again at submit
-            await self._refuse(context, request_id, grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {request_id!r} is already in flight")
+            await self._refuse_duplicate(context, request_id)
         try:
             checked = await self._validate(request, num_chars)
         except InvalidRequest as e:
@@ -155,10 +154,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             self.dispatcher.submit(state)
         except QueueFullError as e:
             await self._exhausted(context, request_id, str(e))
-        except DuplicateRequestError:
-            await self._refuse(context, request_id, grpc.StatusCode.ALREADY_EXISTS,
-                               f"request_id {request_id!r} is already in flight")
+        except DuplicateRequestError:  # another one with this id was admitted while we tokenized
+            await self._refuse_duplicate(context, request_id)
         return state
+
+    async def _refuse_duplicate(self, context: grpc.aio.ServicerContext, request_id: str) -> None:
+        await self._refuse(context, request_id, grpc.StatusCode.ALREADY_EXISTS,
+                           f"request_id {request_id!r} is already in flight")
 
     async def _validate(self, request: inference_pb2.GenerateRequest, num_chars: int):
         """Tokenize and validate: on a pool thread when the input is large enough to stall the loop."""

@@ -101,7 +101,7 @@ def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, ma
         # Given ids: cut before copying or checking them (a request may carry a million), and
         # refuse an over-long prompt before reading its ids.
         num_given = len(request.prompt_token_ids)
-        num_truncated = num_given - keep if keep and num_given > keep else 0
+        num_truncated = _num_cut(num_given, keep)
         if num_given - num_truncated >= max_model_len:
             raise _context_error(num_given - num_truncated, max_model_len)
         ids = list(request.prompt_token_ids[num_truncated:])
@@ -110,8 +110,13 @@ def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, ma
             raise _invalid(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
         return ids, num_truncated
     ids = _encoded_prompt(request, tokenizer)
-    num_truncated = len(ids) - keep if keep and len(ids) > keep else 0
+    num_truncated = _num_cut(len(ids), keep)
     return ids[num_truncated:], num_truncated
+
+
+def _num_cut(num_tokens: int, keep: int) -> int:
+    """Leading tokens truncate_prompt_tokens=keep drops (0 keeps them all)."""
+    return num_tokens - keep if keep and num_tokens > keep else 0
 
 
 def _context_error(num_tokens: int, max_model_len: int) -> InvalidRequest:
