@@ -68,8 +68,9 @@ class ClusterProcess:
         self.num_workers = num_workers
         sections = {k: dict(v) for k, v in (sections or {}).items()}
         # Metrics off unless asked for: a fixed port would clash with a cluster already running.
-        sections["gateway"] = {"host": "127.0.0.1", "port": self.port, "metrics_port": 0,
+        sections["gateway"] = {"host": "127.0.0.1", "port": self.port, "metrics_port": 0, "http_port": 0,
                                **sections.get("gateway", {})}
+        self.http_port = sections["gateway"]["http_port"]  # the OpenAI API's, when a caller asked for one
         self.config_text = render_config({"model_dir": str(Path(model_dir).resolve()), "num_workers": num_workers,
                                           "run_dir": str(self.run_dir)}, sections)
         self.config_path = self.run_dir / "cluster.toml"

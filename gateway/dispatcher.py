@@ -27,7 +27,7 @@ from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
 from shared.config import ClusterConfig
 from shared.ipc import GatewaySocket, WireError
-from shared.wire import sampling_to_wire
+from shared.wire import logprobs_from_wire, sampling_to_wire
 
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.05
@@ -161,7 +161,8 @@ class Dispatcher:
                 if state.last_token_s is not None:
                     self._itl_by_bucket[state.bucket].observe((now - state.last_token_s) / len(delta.new_token_ids))
                 self.metrics.generation_tokens.inc(len(delta.new_token_ids))
-            stopped = state.on_tokens(list(delta.new_token_ids), now)
+            logprobs = logprobs_from_wire(delta) if delta.logprobs else None
+            stopped = state.on_tokens(list(delta.new_token_ids), now, logprobs)
             if stopped:
                 self._forget(state)
                 self._send_abort(worker_id, [state.internal_id])

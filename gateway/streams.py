@@ -22,12 +22,14 @@ import grpc
 from gateway.stop_strings import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling_params import SamplingParams
+from shared.wire import TokenLogprob
 
 
 @dataclass
 class StreamEvent:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
     finish_reason: str | None = None  # "stop", "length", "abort", "error" on the last event
     error: str = ""
     status: grpc.StatusCode | None = None  # set: end the RPC with this status instead
@@ -75,8 +77,9 @@ class RequestState:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def on_tokens(self, token_ids: list[int], now_s: float) -> bool:
-        """Record new tokens and queue their text; True if a stop string ended the request."""
+    def on_tokens(self, token_ids: list[int], now_s: float, logprobs: list[TokenLogprob] | None = None) -> bool:
+        """Record new tokens (and their log-probabilities) and queue their text; True if a stop string
+        ended the request."""
         if self.is_finished or not token_ids:
             return False
         if self.first_token_s is None:
@@ -84,15 +87,17 @@ class RequestState:
         self.last_token_s = now_s
         self.output_ids.extend(token_ids)
         text, stopped = self._stops.push(self._detok.push(token_ids))
-        self._emit(text, token_ids)
+        self._emit(text, token_ids, logprobs)
         if stopped:
             self._finish("stop", now_s, tail="")
         return stopped
 
-    def _emit(self, text: str, token_ids: list[int]) -> None:
+    def _emit(self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         held = self._held
         held.text += text
         held.token_ids.extend(token_ids)
+        if logprobs:
+            held.logprobs.extend(logprobs)
         if not self._emitted or len(held.token_ids) >= self.stream_interval:
             self._flush_held()
         elif self._hold_timer is None:

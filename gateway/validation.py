@@ -16,7 +16,7 @@ import grpc
 from gateway.tokenizer import Tokenizer, TokenizerError
 from protos import inference_pb2
 from shared.config import GatewayConfig
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]+$")
@@ -67,6 +67,9 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
     if len(request.sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise _invalid(f"{len(request.sampling.stop_token_ids)} stop_token_ids; the gateway takes at most "
                        f"{limits.max_stop_token_ids} (gateway.max_stop_token_ids)")
+    if len(request.sampling.logit_bias) > limits.max_logit_bias:
+        raise _invalid(f"logit_bias has {len(request.sampling.logit_bias)} entries; the gateway takes at most "
+                       f"{limits.max_logit_bias} (gateway.max_logit_bias)")
     return num_chars
 
 
@@ -83,7 +86,11 @@ def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_m
     params = _sampling(request.sampling, default_max_tokens, vocab)
     if not request.sampling.HasField("max_tokens"):
         # The default shrinks to fit the context; an explicit value never silently does.
-        params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, max_model_len - len(prompt_ids))))
+        fitted = max(1, min(params.max_tokens, max_model_len - len(prompt_ids)))
+        if fitted < params.min_tokens:
+            raise _invalid(f"min_tokens ({params.min_tokens}) does not fit the model's context of {max_model_len} "
+                           f"tokens after the prompt's {len(prompt_ids)}")
+        params = dataclasses.replace(params, max_tokens=fitted)
     if len(prompt_ids) >= max_model_len:
         raise _context_error(len(prompt_ids), max_model_len)
     if len(prompt_ids) + params.max_tokens > max_model_len:
@@ -153,9 +160,21 @@ def _encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer
 
 def _sampling(options: inference_pb2.SamplingOptions, default_max_tokens: int, vocab: int) -> SamplingParams:
     fields = {"max_tokens": options.max_tokens if options.HasField("max_tokens") else default_max_tokens}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "presence_penalty",
+                 "frequency_penalty"):
         if options.HasField(name):
             fields[name] = getattr(options, name)
+    if options.HasField("logprobs"):
+        if options.logprobs > MAX_TOP_LOGPROBS:
+            raise _invalid(f"logprobs asks for {options.logprobs} alternatives per token; at most "
+                           f"{MAX_TOP_LOGPROBS}")
+        fields.update(logprobs=True, top_logprobs=options.logprobs)
+    if options.logit_bias:
+        bad = sorted(t for t in options.logit_bias if t >= vocab)
+        if bad:
+            raise _invalid(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        fields["logit_bias"] = dict(options.logit_bias)
+    fields["min_tokens"] = options.min_tokens
     if options.HasField("temperature") and options.temperature == 0:
         fields["temperature"] = 0.0
     if any(s == "" for s in options.stop):

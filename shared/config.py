@@ -49,6 +49,7 @@ class GatewayConfig:
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string; a stream holds back at most this much text
     max_stop_token_ids: int = 256
+    max_logit_bias: int = 1024  # logit_bias entries
     # Threads that tokenize large prompts and render chat templates off the event loop.
     tokenizer_threads: int = 2
     # A stream whose worker died waits this long (never past its deadline) for a live worker
@@ -58,12 +59,21 @@ class GatewayConfig:
     # per quick crash up to worker.max_restart_backoff_s. A gateway loads no model, so it restarts
     # sooner than a worker: clients are refused for as long as it is down.
     restart_backoff_s: float = 0.1
+    # The OpenAI-compatible HTTP API (gateway/http_api.py) on `host`; 0 turns it off.
+    http_port: int = 8080
+    served_model_name: str = ""  # the `model` clients name; "" = the model folder's name
+    max_body_bytes: int = 16 << 20  # an HTTP body beyond this is refused 413 before it is parsed
+    max_n: int = 16  # choices per request (`n`)
+    max_prompts: int = 256  # prompts per /v1/completions request (a list of prompts)
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
+        _check(0 <= self.http_port < 65536, "gateway.http_port", self.http_port, "in [0, 65535]")
+        for name in ("max_body_bytes", "max_n", "max_prompts"):
+            _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
         for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars", "tokenizer_threads"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
-        for name in ("max_stop_strings", "max_stop_token_ids"):
+        for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
         _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
         _check(self.restart_backoff_s > 0, "gateway.restart_backoff_s", self.restart_backoff_s, "> 0")

@@ -12,6 +12,15 @@ from typing import Any
 
 # Seeds must fit a signed 64-bit integer so every torch backend (and any IPC encoding) can hold them.
 MAX_SEED = 2**63
+# OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100] (enough to force or ban a token
+# outright), and up to 5 alternatives per token (its completions API's bound; each one costs the worker).
+MAX_TOP_LOGPROBS = 5
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+
+# What top_logprobs asks for, per sampled token: (token id, raw logprob) pairs by descending logprob, ties by
+# ascending id. Named once here, since the sampler, the worker's outputs and the wire all carry it.
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 def _check_int(name: str, value: Any, allowed: str) -> int:
@@ -52,6 +61,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # applied by the gateway's detokenizer; carried here only
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
+    # OpenAI semantics over the GENERATED tokens only (not the prompt), resumed ones included:
+    # logit[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]. [-2, 2]; 0 disables.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> bias in [-100, 100], added to the raw logits before anything else. A mapping or a
+    # sequence of (id, bias) pairs is accepted; stored as (id, bias) pairs sorted by id. Ids are >= 0 here;
+    # the vocabulary bound is the gateway's check (the sampler refuses an id past it).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # While fewer tokens than this have been generated, EOS and stop_token_ids cannot be sampled (stop strings,
+    # the gateway's, are unaffected). 0 <= min_tokens <= max_tokens.
+    min_tokens: int = 0
+    # How many most likely alternatives to report with each chosen token's logprob; needs logprobs=True.
+    top_logprobs: int = 0  # [0, MAX_TOP_LOGPROBS]
 
     def __post_init__(self) -> None:
         # frozen=True forbids normal assignment; object.__setattr__ stores the normalised values once, here.
@@ -103,6 +125,30 @@ class SamplingParams:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            allowed = f"a finite float in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+            value = _check_float(name, getattr(self, name), allowed)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            put(name, value)
+
+        put("logit_bias", self._normalise_logit_bias(self.logit_bias))
+
+        allowed = f"an int in [0, max_tokens={max_tokens}]"
+        min_tokens = _check_int("min_tokens", self.min_tokens, allowed)
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens must be {allowed}, got {self.min_tokens!r}")
+        put("min_tokens", min_tokens)
+
+        allowed = f"an int in [0, {MAX_TOP_LOGPROBS}]"
+        top_logprobs = _check_int("top_logprobs", self.top_logprobs, allowed)
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be {allowed}, got {self.top_logprobs!r}")
+        if top_logprobs and not self.logprobs:
+            # Alternatives without the chosen token's own logprob have nowhere to go in a response.
+            raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True, got logprobs=False")
+        put("top_logprobs", top_logprobs)
+
     @staticmethod
     def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
         allowed = "a list or tuple of ints >= 0"
@@ -115,6 +161,34 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids[{i}] must be an int >= 0, got {token_id!r}")
             out.append(as_int)
         return tuple(out)
+
+    @staticmethod
+    def _normalise_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+        allowed = "a mapping of token id -> bias, or a list or tuple of (token id, bias) pairs"
+        if isinstance(value, Mapping):
+            pairs = list(value.items())
+        elif isinstance(value, (list, tuple)):
+            pairs = list(value)
+            for i, pair in enumerate(pairs):
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise ValueError(f"logit_bias[{i}] must be a (token id, bias) pair, got {pair!r}")
+        else:
+            raise ValueError(f"logit_bias must be {allowed}, got {value!r}")
+        bias_range = f"a finite float in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+        out: dict[int, float] = {}
+        for token_id, bias in pairs:
+            # A JSON object's keys are strings; the caller converts them, so "50256" is refused here, not guessed.
+            as_int = _check_int("logit_bias token id", token_id, "an int >= 0")
+            if as_int < 0:
+                raise ValueError(f"logit_bias token id must be an int >= 0, got {token_id!r}")
+            as_float = _check_float(f"logit_bias[{as_int}]", bias, bias_range)
+            if not -MAX_LOGIT_BIAS <= as_float <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{as_int}] must be {bias_range}, got {bias!r}")
+            if as_int in out:
+                # Two biases for one token: adding them or keeping either would be a silent guess.
+                raise ValueError(f"logit_bias gives token id {as_int} more than one bias")
+            out[as_int] = as_float
+        return tuple(sorted(out.items()))
 
     @staticmethod
     def _normalise_stop(value: Any) -> tuple[str, ...]:
@@ -152,4 +226,6 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["stop"] = list(self.stop)
+        # Pairs rather than {str(id): bias}: JSON keys are strings, and ids are never guessed from strings.
+        d["logit_bias"] = [[token_id, bias] for token_id, bias in self.logit_bias]
         return d

@@ -7,6 +7,7 @@ and every process group started is killed at the end, whatever the test did.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -28,7 +29,7 @@ LONG_MAX_TOKENS = 2000
 def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_workers: int,
                  sections: dict[str, dict] | None = None, metrics_port: int = 0) -> Path:
     sections = {k: dict(v) for k, v in (sections or {}).items()}
-    sections["gateway"] = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port,
+    sections["gateway"] = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port, "http_port": 0,
                            **sections.get("gateway", {})}
     sections["worker"] = {"num_threads": 1, "num_kv_blocks": 128, **sections.get("worker", {})}
     path.write_text(render_config({"model_dir": str(model_dir), "num_workers": num_workers,
@@ -103,3 +104,16 @@ def generate(stub, timeout: float = 60.0, **fields) -> tuple[list[int], str, inf
         text += response.text
         last = response
     return ids, text, last
+
+
+def wait_all_free(cluster, timeout_s: float = 10.0) -> inference_pb2.ClusterStatus:
+    """Wait until nothing is queued or running and every worker's KV pool is all free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = cluster.status()
+        if status.num_queued == 0 and all(w.num_running == 0 and w.num_waiting == 0 and
+                                          w.kv_blocks_free == w.kv_blocks_total for w in status.workers):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pools not all free after {timeout_s} s: {status}")
+        time.sleep(0.1)

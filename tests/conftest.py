@@ -67,3 +67,14 @@ def tokenizer(served_checkpoint):
     """The gateway's tokenizer over the served checkpoint (test_default_model has its own)."""
     from gateway.tokenizer import Tokenizer
     return Tokenizer(served_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """One intra-op thread for a module of tiny tensors: on a loaded box each multi-threaded op
+    otherwise waits milliseconds for a descheduled thread. Restored afterwards."""
+    import torch
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster_harness import SERVED_MAX_POSITIONS, Cluster, generate
+from cluster_harness import SERVED_MAX_POSITIONS, Cluster, generate, wait_all_free
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,18 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 def cluster(served_checkpoint):
     with Cluster(served_checkpoint, num_workers=2) as c:
         yield c
-
-
-def wait_all_free(cluster, timeout_s: float = 10.0) -> inference_pb2.ClusterStatus:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = cluster.status()
-        if status.num_queued == 0 and all(w.num_running == 0 and w.num_waiting == 0 and
-                                          w.kv_blocks_free == w.kv_blocks_total for w in status.workers):
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pools not all free after {timeout_s} s: {status}")
-        time.sleep(0.1)
 
 
 def test_sixteen_concurrent_streams_match_the_in_process_engine(cluster, served_checkpoint, tokenizer):

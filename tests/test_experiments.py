@@ -144,7 +144,7 @@ def test_saturation_rule_and_cluster_sections():
     assert e10.is_saturated([1.0, 2.0, 2.1])
     assert e10.is_saturated([1.0, 3.0, 2.5])
     num_workers, sections = e10.cluster_sections()
-    assert num_workers >= 1 and not {"host", "port", "metrics_port"} & set(sections.get("gateway", {}))
+    assert num_workers >= 1 and not {"host", "port", "metrics_port", "http_port"} & set(sections.get("gateway", {}))
 
 
 # ---- registry, tables, figures --------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_the_gateway_removes_a_stale_socket_and_refuses_to_share_a_live_one(serv
         # reason, and leaves the first one's socket alone.
         for module in (["gateway"], ["gateway", "--supervise"]):
             second = subprocess.run([sys.executable, "-m", *module, "--config", str(cluster.config_path),
-                                     "--gateway.port", "0", "--gateway.metrics_port", "0"],
+                                     "--gateway.port", "0", "--gateway.metrics_port", "0", "--gateway.http_port", "0"],
                                     cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert second.returncode == 2, (module, second.stderr)
             assert "already listening" in second.stderr, (module, second.stderr)

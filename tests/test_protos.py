@@ -8,7 +8,7 @@ import pytest
 from protos import worker_pb2
 from shared import ipc
 from shared.sampling_params import SamplingParams
-from shared.wire import sampling_from_wire, sampling_to_wire
+from shared.wire import TokenLogprob, logprobs_from_wire, logprobs_to_wire, sampling_from_wire, sampling_to_wire
 from tools.gen_protos import ROOT, generate
 
 
@@ -21,7 +21,9 @@ def test_generated_modules_are_current(tmp_path):
 
 def _examples() -> list[worker_pb2.Envelope]:
     sampling = sampling_to_wire(SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1,
-                                               repetition_penalty=1.2, seed=2**62, stop_token_ids=(3, 4)))
+                                               repetition_penalty=1.2, seed=2**62, stop_token_ids=(3, 4),
+                                               logprobs=True, top_logprobs=2, presence_penalty=0.5,
+                                               frequency_penalty=-0.5, logit_bias={3: -100.0}, min_tokens=1))
     return [
         worker_pb2.Envelope(submit=worker_pb2.SubmitBatch(requests=[worker_pb2.WireRequest(
             request_id="r1", prompt_token_ids=[1, 2, 3], output_token_ids=[9], sampling=sampling, priority=-2)])),
@@ -29,7 +31,7 @@ def _examples() -> list[worker_pb2.Envelope]:
         worker_pb2.Envelope(probe=worker_pb2.Probe(probe_id=5, deep=True)),
         worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(step_ms=3.5, deltas=[worker_pb2.TokenDelta(
             request_id="r1", new_token_ids=[7], finished=True, finish_reason="length", num_prompt_tokens=3,
-            num_cached_tokens=0)])),
+            num_cached_tokens=0, logprobs=logprobs_to_wire([-0.25], [((7, -0.25), (2, -1.5))]))])),
         worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat(ready=True, num_running=2, kv_blocks_total=64,
                                                            kv_blocks_free=60, memory_level="OK", device="cpu")),
         worker_pb2.Envelope(probe_reply=worker_pb2.ProbeReply(probe_id=5, ok=True, latency_ms=1.5)),
@@ -48,7 +50,41 @@ def test_sampling_params_round_trip_exactly():
                             seed=12345, stop_token_ids=(5,), ignore_eos=True)
     assert sampling_from_wire(sampling_to_wire(params)) == params
     unseeded = sampling_from_wire(sampling_to_wire(SamplingParams()))
-    assert unseeded.seed is None
+    assert unseeded.seed is None and unseeded == SamplingParams()
+
+
+def test_openai_sampling_fields_round_trip_exactly():
+    # Values that float32 could not hold exactly: the wire carries doubles.
+    params = SamplingParams(max_tokens=9, temperature=0.0, logprobs=True, top_logprobs=5, presence_penalty=0.1,
+                            frequency_penalty=-1.9999999, min_tokens=9,
+                            logit_bias={2**31: -99.99999999, 0: 0.1, 17: 100.0})
+    wire = sampling_to_wire(params)
+    assert [(b.token_id, b.bias) for b in wire.logit_bias] == list(params.logit_bias)
+    decoded = sampling_from_wire(worker_pb2.WireSampling.FromString(wire.SerializeToString()))
+    assert decoded == params
+    for name in ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens"):
+        assert getattr(decoded, name) == getattr(params, name), name
+    # The worker refuses what the gateway should never send, as a ValueError naming the field.
+    wire.top_logprobs, wire.logprobs = 3, False
+    with pytest.raises(ValueError, match="top_logprobs=3 needs logprobs=True"):
+        sampling_from_wire(wire)
+
+
+def test_token_logprobs_round_trip_through_a_delta():
+    top = [((7, -0.25), (2, -1.5)), ((4, -0.5), (7, -0.75))]
+    delta = worker_pb2.TokenDelta(request_id="r", new_token_ids=[7, 9], logprobs=logprobs_to_wire([-0.25, -3.0], top))
+    decoded = logprobs_from_wire(worker_pb2.TokenDelta.FromString(delta.SerializeToString()))
+    # Binary fractions: exact in float32 too.
+    assert decoded == [TokenLogprob(7, -0.25, top[0]), TokenLogprob(9, -3.0, top[1])]
+    plain = worker_pb2.TokenDelta(request_id="r", new_token_ids=[7], logprobs=logprobs_to_wire([-0.1]))
+    [only] = logprobs_from_wire(plain)
+    assert only.token_id == 7 and only.top == () and only.logprob == pytest.approx(-0.1, abs=1e-7)
+    assert logprobs_from_wire(worker_pb2.TokenDelta(request_id="r", new_token_ids=[7])) == []
+    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+        logprobs_from_wire(worker_pb2.TokenDelta(request_id="r", new_token_ids=[7, 8],
+                                                 logprobs=logprobs_to_wire([-1.0])))
+    with pytest.raises(ValueError, match="1 logprobs but 2 top-logprob"):
+        logprobs_to_wire([-1.0], top)
 
 
 def test_wrong_version_and_garbage_are_refused():

@@ -16,14 +16,7 @@ from worker.sampler import (
     make_generator,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_intra_op_thread():
-    # Every tensor here is tiny; on a loaded CI box each multi-threaded op otherwise waits milliseconds for a
-    # descheduled worker thread (milliseconds for a tiny softmax). Restored afterwards for other test files.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_batch(params, histories=None, generators=None) -> SamplingBatch:

@@ -6,10 +6,10 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
 def test_defaults():
@@ -26,6 +26,8 @@ def test_defaults():
     assert p.ignore_eos is False
     assert p.logprobs is False
     assert p.is_greedy is False
+    assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.min_tokens, p.top_logprobs) == (0.0, 0.0, (), 0, 0)
+    assert MAX_TOP_LOGPROBS == 5
 
 
 def test_is_greedy_only_at_zero_temperature():
@@ -65,6 +67,19 @@ def test_lists_become_tuples():
 
 def test_bare_stop_string_is_one_stop_string():
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_openai_fields_accept_their_boundaries_and_normalise():
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, min_tokens=16, max_tokens=16, logprobs=True,
+                       top_logprobs=5, logit_bias={9: 100, 0: -100.0, 4: 0.5})
+    assert type(p.presence_penalty) is float and p.presence_penalty == -2.0 and p.frequency_penalty == 2.0
+    assert (p.min_tokens, p.top_logprobs) == (16, 5)
+    # Sorted by id, ints as floats, one normal form for a mapping and for pairs.
+    assert p.logit_bias == ((0, -100.0), (4, 0.5), (9, 100.0))
+    assert all(type(b) is float for _, b in p.logit_bias)
+    assert SamplingParams(logit_bias=[(9, 100), [0, -100.0], (4, 0.5)]).logit_bias == p.logit_bias
+    assert SamplingParams(logit_bias=()).logit_bias == () and SamplingParams(logit_bias={}).logit_bias == ()
+    assert hash(p) == hash(SamplingParams(**{**p.to_dict()}))
 
 
 # (kwargs, substrings the message must contain: field name, bad value, allowed range)
@@ -111,6 +126,37 @@ INVALID = [
     ({"ignore_eos": 1}, ["ignore_eos", "got 1", "bool"]),
     ({"logprobs": "yes"}, ["logprobs", "got 'yes'", "bool"]),
     ({"logprobs": None}, ["logprobs", "got None", "bool"]),
+    ({"presence_penalty": 2.5}, ["presence_penalty", "got 2.5", "[-2, 2]"]),
+    ({"presence_penalty": -2.01}, ["presence_penalty", "got -2.01", "[-2, 2]"]),
+    ({"presence_penalty": float("nan")}, ["presence_penalty", "got nan", "finite"]),
+    ({"presence_penalty": "1"}, ["presence_penalty", "got '1'"]),
+    ({"presence_penalty": True}, ["presence_penalty", "got True"]),
+    ({"frequency_penalty": 3}, ["frequency_penalty", "got 3", "[-2, 2]"]),
+    ({"frequency_penalty": float("-inf")}, ["frequency_penalty", "got -inf"]),
+    ({"frequency_penalty": None}, ["frequency_penalty", "got None"]),
+    ({"logit_bias": {5: 100.5}}, ["logit_bias[5]", "got 100.5", "[-100, 100]"]),
+    ({"logit_bias": {5: -101}}, ["logit_bias[5]", "got -101", "[-100, 100]"]),
+    ({"logit_bias": {5: float("nan")}}, ["logit_bias[5]", "got nan"]),
+    ({"logit_bias": {5: "1"}}, ["logit_bias[5]", "got '1'"]),
+    ({"logit_bias": {-1: 1.0}}, ["logit_bias token id", "got -1", ">= 0"]),
+    ({"logit_bias": {"50256": 1.0}}, ["logit_bias token id", "got '50256'", "int"]),
+    ({"logit_bias": {1.0: 1.0}}, ["logit_bias token id", "got 1.0"]),
+    ({"logit_bias": {True: 1.0}}, ["logit_bias token id", "got True"]),
+    ({"logit_bias": [(1, 2.0), (1, 3.0)]}, ["logit_bias", "token id 1", "more than one"]),
+    ({"logit_bias": [(1, 2.0, 3.0)]}, ["logit_bias[0]", "pair", "got (1, 2.0, 3.0)"]),
+    ({"logit_bias": [5]}, ["logit_bias[0]", "pair", "got 5"]),
+    ({"logit_bias": 5}, ["logit_bias", "got 5", "mapping"]),
+    ({"logit_bias": "5:1"}, ["logit_bias", "got '5:1'"]),
+    ({"min_tokens": -1}, ["min_tokens", "got -1", "[0, max_tokens=16]"]),
+    ({"min_tokens": 17}, ["min_tokens", "got 17", "[0, max_tokens=16]"]),
+    ({"min_tokens": 5, "max_tokens": 4}, ["min_tokens", "got 5", "[0, max_tokens=4]"]),
+    ({"min_tokens": 1.0}, ["min_tokens", "got 1.0", "int"]),
+    ({"min_tokens": True}, ["min_tokens", "got True"]),
+    ({"top_logprobs": 6, "logprobs": True}, ["top_logprobs", "got 6", "[0, 5]"]),
+    ({"top_logprobs": -1, "logprobs": True}, ["top_logprobs", "got -1", "[0, 5]"]),
+    ({"top_logprobs": 2.0, "logprobs": True}, ["top_logprobs", "got 2.0", "int"]),
+    ({"top_logprobs": "2", "logprobs": True}, ["top_logprobs", "got '2'"]),
+    ({"top_logprobs": 2}, ["top_logprobs=2", "logprobs=True", "logprobs=False"]),
 ]
 
 
@@ -145,9 +191,12 @@ def test_from_dict_validates_values_and_type():
 
 
 def test_to_dict_is_json_friendly_and_round_trips():
-    p = SamplingParams(max_tokens=3, temperature=0.5, seed=9, stop_token_ids=(1, 2), stop=("a",), logprobs=True)
+    p = SamplingParams(max_tokens=3, temperature=0.5, seed=9, stop_token_ids=(1, 2), stop=("a",), logprobs=True,
+                       top_logprobs=4, presence_penalty=0.5, frequency_penalty=-1.25, min_tokens=2,
+                       logit_bias={7: -3.5, 2: 100.0})
     d = p.to_dict()
     assert d["stop_token_ids"] == [1, 2] and d["stop"] == ["a"]
+    assert d["logit_bias"] == [[2, 100.0], [7, -3.5]]
     assert SamplingParams.from_dict(json.loads(json.dumps(d))) == p
 
 
@@ -164,8 +213,15 @@ def test_to_dict_is_json_friendly_and_round_trips():
     stop=st.lists(st.text(min_size=1)),
     ignore_eos=st.booleans(),
     logprobs=st.booleans(),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    logit_bias=st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100)),
+    min_tokens=st.integers(0, 10**6),
+    top_logprobs=st.integers(0, MAX_TOP_LOGPROBS),
 )
 def test_every_valid_combination_is_accepted_and_round_trips(**kwargs):
+    assume(kwargs["min_tokens"] <= kwargs["max_tokens"])
+    assume(kwargs["logprobs"] or kwargs["top_logprobs"] == 0)
     p = SamplingParams(**kwargs)
     assert SamplingParams.from_dict(p.to_dict()) == p
     assert p.is_greedy == (kwargs["temperature"] == 0)

@@ -134,3 +134,19 @@ def test_prefix_hit_leaves_one_token_to_compute():
     s.add(req("b", 8, max_tokens=1))  # same 8 tokens: both blocks cached
     assert step(s) == {"b": 4}  # the hit is capped so the last token is computed for its logits
     assert s.requests.get("b") is None  # finished after one token
+
+
+def test_update_keeps_logprobs_and_top_logprobs_only_as_each_request_asked():
+    s = make()
+    asked = {"none": SamplingParams(max_tokens=4),
+             "chosen": SamplingParams(max_tokens=4, logprobs=True),
+             "top": SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2)}
+    for request_id, params in asked.items():
+        s.add(Request(request_id, [1, 2, 3], params))
+    out = s.schedule()
+    top = ((9, -0.1), (4, -2.5))
+    # The runner computes logprobs for every row once any row asks; each request keeps only what it asked for.
+    updates = s.update(out.scheduled, [(9, -0.1, top)] * len(out.scheduled))
+    got = {u.request.request_id: (u.request.output_logprobs, u.request.output_top_logprobs) for u in updates}
+    assert got == {"none": ([], []), "chosen": ([-0.1], []), "top": ([-0.1], [top])}
+    assert all(u.new_token_id == 9 for u in updates)

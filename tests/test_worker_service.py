@@ -16,7 +16,7 @@ from cluster_harness import free_port
 from protos import worker_pb2
 from shared.config import load_config
 from shared.ipc import decode
-from shared.wire import sampling_to_wire
+from shared.wire import logprobs_from_wire, sampling_to_wire
 from worker.engine import Engine, SamplingParams
 from worker.memory import MemoryReading
 from worker.service import WorkerService
@@ -312,6 +312,37 @@ def test_memory_report_probe_returns_the_resident_set_and_the_kv_pool_layout(lla
     [deep] = [e.probe_reply for e in service.socket.sent if e.WhichOneof("body") == "probe_reply"
               and e.probe_reply.probe_id == 7]
     assert deep.ok and "KV pool" in deep.memory_report
+
+
+def test_deltas_carry_the_logprobs_asked_for_on_the_wire(llama_dir):
+    service = make_service(llama_dir)
+    with_top = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3,
+                              presence_penalty=0.5, logit_bias={9: 1.0})
+    chosen_only = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    submit(service, "top", PROMPTS["p0"], with_top)
+    submit(service, "chosen", PROMPTS["p1"], chosen_only)
+    submit(service, "none", PROMPTS["p2"], GREEDY)
+    submit(service, "bad-bias", PROMPTS["p3"], SamplingParams(logit_bias={256: 1.0}))
+    drain(service)
+    deltas = service.socket.deltas()
+    [bad] = [d for d in deltas if d.request_id == "bad-bias"]
+    assert bad.finished and bad.finish_reason == "error" and "logit_bias token ids out of range" in bad.error
+    assert all(not d.logprobs for d in deltas if d.request_id in ("none", "bad-bias"))
+    # The in-process engine's values for the same requests: the wire must carry them (as float32).
+    reference = make_service(llama_dir).engine.generate([PROMPTS["p0"], PROMPTS["p1"]], [with_top, chosen_only],
+                                                        use_tqdm=False)
+    for request_id, expected in zip(("top", "chosen"), reference):
+        mine = [d for d in deltas if d.request_id == request_id]
+        assert all(len(d.logprobs) == len(d.new_token_ids) for d in mine)
+        got = [entry for d in mine for entry in logprobs_from_wire(d)]
+        assert [e.token_id for e in got] == expected.token_ids
+        assert [e.logprob for e in got] == pytest.approx(expected.logprobs, abs=1e-6)
+        if request_id == "top":
+            assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in top] for top in expected.top_logprobs]
+            assert [lp for e in got for _, lp in e.top] == pytest.approx(
+                [lp for top in expected.top_logprobs for _, lp in top], abs=1e-6)
+        else:
+            assert all(e.top == () for e in got)
 
 
 # ---- health: a hung loop, a fatal error --------------------------------------------------------

@@ -92,8 +92,8 @@ class Engine:
         """Queue a request. Raises RequestRejectedError (a ValueError) for one that can never run.
 
         `output_token_ids` resumes a request another worker started: those tokens count as
-        already generated (towards max_tokens, penalties and seeds), so the continuation is
-        the one an uninterrupted run would have produced."""
+        already generated (towards max_tokens, min_tokens, penalties and seeds), so the
+        continuation is the one an uninterrupted run would have produced."""
         params = params or SamplingParams()
         vocab = self.model_config.vocab_size
         prompt = list(prompt_token_ids)
@@ -101,6 +101,10 @@ class Engine:
         bad = [t for t in prompt + outputs if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestRejectedError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        # Refused here rather than by the sampler mid-step, where the error would end every request of the step.
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise RequestRejectedError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         if len(outputs) >= params.max_tokens:
             raise RequestRejectedError(f"request {request_id!r} already has {len(outputs)} of its "
                                        f"max_tokens={params.max_tokens} output tokens")
@@ -153,6 +157,8 @@ class Engine:
             generator=generator,
             token_history=r.token_ids,
             seed=token_seed(r.params.seed, r.num_output_tokens) if generator is not None and needs_sample else None,
+            output_token_ids=r.output_token_ids,
+            eos_token_ids=r.eos_token_ids,
         )
 
     @staticmethod

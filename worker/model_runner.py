@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, TopLogprobs
 from worker.kv_cache import KVCache
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.cpu_fast_path import CpuFastPath
@@ -31,6 +31,11 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
         return True
     return isinstance(error, RuntimeError) and _CPU_OOM_TEXT in str(error)
+
+
+# A sampled sequence's result: (token id, raw logprob, top logprobs); the last two are None when no
+# sequence of the step asked for them (then none were computed).
+SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,10 @@ class SequenceStep:
     # The generator's seed for this step's token: set again before every attempt, so a step
     # retried after an out-of-memory error draws exactly what the first attempt would have.
     seed: int | None = None
+    # Generated tokens only, resumed ones included: what presence/frequency penalties count and
+    # min_tokens compares with (the request's own list, not a copy: read, never kept).
+    output_token_ids: Sequence[int] = ()
+    eos_token_ids: Sequence[int] = ()  # banned, with stop_token_ids, while under min_tokens
 
 
 class ModelRunner:
@@ -98,7 +107,7 @@ class ModelRunner:
         self.fault_hook: Callable[[list[SequenceStep]], None] | None = None
         self.num_oom_recoveries = 0  # out-of-memory errors caught (and survived) in a step
 
-    def execute_splitting(self, seqs: list[SequenceStep]) -> list[tuple[int, float | None] | None | OutOfMemory]:
+    def execute_splitting(self, seqs: list[SequenceStep]) -> list[SampledToken | None | OutOfMemory]:
         """execute(), surviving out-of-memory errors: free what the device caches and run the
         sequences in halves, recursively. A sequence that fails alone gets OutOfMemory; every
         other one gets exactly what execute() would have given it.
@@ -132,9 +141,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def execute(self, seqs: list[SequenceStep]) -> list[tuple[int, float | None] | None]:
-        """Run one step; per sequence (in input order) its sampled (token, logprob), or
-        None for a prompt chunk that does not reach the end of what is known."""
+    def execute(self, seqs: list[SequenceStep]) -> list[SampledToken | None]:
+        """Run one step; per sequence (in input order) its sampled (token, logprob, top logprobs),
+        or None for a prompt chunk that does not reach the end of what is known."""
         if not seqs:
             return []
         if len(seqs) > self.max_num_seqs:
@@ -162,14 +171,17 @@ class ModelRunner:
             logits = self.logits[:len(sampled)]
             logits_indices = logits_indices.to(self.output_device, non_blocking=True)
             computes.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
-            batch = SamplingBatch(params=[seqs[order[j]].params for j in sampled],
-                                  generators=[seqs[order[j]].generator for j in sampled],
-                                  token_histories=[seqs[order[j]].token_history for j in sampled])
+            rows = [seqs[order[j]] for j in sampled]
+            batch = SamplingBatch(params=[s.params for s in rows], generators=[s.generator for s in rows],
+                                  token_histories=[s.token_history for s in rows],
+                                  output_token_ids=[s.output_token_ids for s in rows],
+                                  eos_token_ids=[s.eos_token_ids for s in rows])
             result = self.sampler(logits, batch)
-        results: list[tuple[int, float | None] | None] = [None] * len(seqs)
+        results: list[SampledToken | None] = [None] * len(seqs)
         for row, j in enumerate(sampled):
             logprob = result.logprobs[row] if result.logprobs is not None else None
-            results[order[j]] = (result.token_ids[row], logprob)
+            top = result.top_logprobs[row] if result.top_logprobs is not None else None
+            results[order[j]] = (result.token_ids[row], logprob, top)
         return results
 
     def _prepare(self, seqs: list[SequenceStep]):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.sampling_params import TopLogprobs
 from worker.request import Request
 
 
@@ -20,9 +21,12 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_preemptions: int
-    logprobs: list[float] = field(default_factory=list)  # one per sampled token when requested
+    # Raw log-probabilities (log_softmax of the model's logits, before bias, penalties and temperature), one
+    # per token sampled on this worker when requested; top_logprobs likewise when params.top_logprobs > 0.
+    logprobs: list[float] = field(default_factory=list)
     error: str | None = None
     peak_kv_blocks: int = 0  # the most KV blocks the request held at once
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class RequestDelta:
     prefill_ms: float = 0.0  # first scheduled step to the first token
     peak_kv_blocks: int = 0
     final: RequestOutput | None = None  # set on the finished delta
+    # Aligned with new_token_ids when params.top_logprobs > 0, else empty (new_logprobs: when params.logprobs).
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 def delta_for(request: Request, new_token_id: int | None = None, with_timings: bool = False) -> RequestDelta:
@@ -49,13 +55,16 @@ def delta_for(request: Request, new_token_id: int | None = None, with_timings: b
     if with_timings and request.first_scheduled_s is not None and request.first_token_s is not None:
         timings = dict(worker_queue_ms=(request.first_scheduled_s - request.arrival_s) * 1e3,
                        prefill_ms=(request.first_token_s - request.first_scheduled_s) * 1e3)
-    new_logprobs = []
+    new_logprobs, new_top_logprobs = [], []
     if new_token_id is not None and request.params.logprobs and request.output_logprobs:
         new_logprobs = [request.output_logprobs[-1]]
+    if new_token_id is not None and request.params.top_logprobs and request.output_top_logprobs:
+        new_top_logprobs = [request.output_top_logprobs[-1]]
     return RequestDelta(
         request_id=request.request_id,
         new_token_ids=[] if new_token_id is None else [new_token_id],
         new_logprobs=new_logprobs,
+        new_top_logprobs=new_top_logprobs,
         finished=request.is_finished,
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
@@ -77,6 +86,7 @@ def final_output(request: Request) -> RequestOutput:
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
         logprobs=list(request.output_logprobs),
+        top_logprobs=list(request.output_top_logprobs),
         error=request.error,
         peak_kv_blocks=request.peak_num_blocks,
     )

@@ -8,7 +8,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, TopLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -45,7 +45,8 @@ class Request:
     arrival_seq: int = 0  # tie-break in arrival order; assigned by the scheduler
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # of tokens sampled here, when params.logprobs
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # likewise, when params.top_logprobs
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     num_cached_tokens: int = 0  # of the prompt, served by the prefix cache at first schedule
     num_preemptions: int = 0
@@ -86,11 +87,14 @@ class Request:
         """Serve order: priority first, then arrival. Preemption victims come from the far end."""
         return (self.priority, self.arrival_seq)
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None, top_logprobs: TopLogprobs | None = None
+                     ) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def stop_status(self) -> RequestStatus | None:
         """The terminal status the last appended token calls for, if any."""

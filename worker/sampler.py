@@ -1,5 +1,6 @@
 """Turns one step's logits [B, V] into next tokens for a batch of requests with different SamplingParams.
-Owns logits processing and randomness only: it never schedules, never detokenizes, never checks stop conditions."""
+Owns logits processing (with worker/logits_processors.py), randomness and logprobs: it never schedules, never
+detokenizes, never checks stop conditions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from typing import Sequence
 
 import torch
 
-from shared.sampling_params import MAX_SEED, SamplingParams
+from shared.sampling_params import MAX_SEED, SamplingParams, TopLogprobs
+from worker.logits_processors import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_presence_frequency_penalties,
+    apply_repetition_penalty,
+)
 from worker.model import cpu_kernels
 
 __all__ = [
@@ -19,6 +26,7 @@ __all__ = [
     "apply_top_k_top_p_min_p",
     "make_generator",
     "token_seed",
+    "top_logprobs",
 ]
 
 
@@ -51,14 +59,39 @@ class SamplingBatch:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]  # the request's own generator if it has a seed, else None
     token_histories: list[Sequence[int]]  # prompt + generated ids so far; read only when repetition_penalty != 1
+    # Generated ids so far, resumed ones included (what presence/frequency penalties count and min_tokens
+    # compares with); read only for rows that use those. None: no row does (a ValueError if one does).
+    output_token_ids: list[Sequence[int]] | None = None
+    # The model's EOS ids per row, banned with the row's stop_token_ids while it is under min_tokens
+    # (ignore_eos or not, as vLLM does). None: no EOS ids.
+    eos_token_ids: list[Sequence[int]] | None = None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: log-prob of the chosen token under the RAW distribution (log_softmax of the unprocessed logits).
-    # None when no row asked; when some row asked, every row gets a value.
+    # Per row: log-prob of the chosen token under the RAW distribution: log_softmax of the model's logits as
+    # given, before logit bias, penalties, min_tokens and temperature (what the model thinks, not how we
+    # steered it; vLLM's default too). None when no row asked; when some row asked, every row gets a value.
     logprobs: list[float] | None
+    # Per row: its top_logprobs most likely tokens under the same raw distribution (top_logprobs()); () for
+    # rows that asked for none. None when no row asked.
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
+    """The k most likely (token id, logprob) of one row logprobs [V], by descending logprob, ties by ascending
+    token id (so the answer never depends on how topk orders equal values). k is clamped to V."""
+    k = min(k, logprobs.shape[0])
+    if k <= 0:
+        return ()
+    kth = torch.topk(logprobs, k, sorted=True).values[-1]
+    # Every token at least as likely as the k-th: k of them, plus any tied with it. nonzero lists them by
+    # ascending id, and a stable sort keeps that order among equals.
+    candidates = torch.nonzero(logprobs >= kth).flatten()  # [C], C >= k
+    values = logprobs.index_select(0, candidates)  # [C]
+    order = torch.sort(values, descending=True, stable=True).indices[:k]  # [k]
+    return tuple(zip(candidates[order].tolist(), values[order].tolist()))
 
 
 def apply_top_k_top_p_min_p(
@@ -121,47 +154,6 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def apply_repetition_penalty(
-    logits: torch.Tensor,
-    token_histories: Sequence[Sequence[int]],
-    penalties: Sequence[float],
-    rows: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """HF/CTRL repetition penalty, IN PLACE on logits [B, V]; returns `logits`.
-
-    For each distinct token id in row b's history, logit l becomes l / p if l > 0 else l * p (p = penalties[b]),
-    so a penalty > 1 always makes a seen token less likely. Rows with p == 1 are untouched and their history is
-    not read; `rows`, when given, lists the rows with p != 1 so the caller's scan is not repeated."""
-    num_rows, vocab_size = logits.shape
-    if len(token_histories) != num_rows or len(penalties) != num_rows:
-        raise ValueError(
-            f"need one history and one penalty per row: {num_rows} rows, "
-            f"{len(token_histories)} histories, {len(penalties)} penalties"
-        )
-    if rows is None:
-        rows = [i for i, p in enumerate(penalties) if p != 1.0]
-    if not rows:
-        return logits
-    histories = [torch.as_tensor(token_histories[i], dtype=torch.long).reshape(-1).cpu() for i in rows]
-    token_ids = torch.cat(histories)  # [N]
-    if token_ids.numel() == 0:
-        return logits
-    lowest, highest = int(token_ids.min()), int(token_ids.max())
-    if lowest < 0 or highest >= vocab_size:
-        bad = lowest if lowest < 0 else highest
-        raise ValueError(f"token history contains token id {bad}, outside the vocabulary [0, {vocab_size})")
-    row_ids = torch.cat([torch.full((len(h),), r, dtype=torch.long) for r, h in zip(rows, histories)])  # [N]
-    # A boolean mask makes a token repeated in the history count once, as "distinct tokens" requires.
-    seen = torch.zeros((num_rows, vocab_size), dtype=torch.bool)  # [B, V]
-    seen[row_ids, token_ids] = True
-    seen = seen.to(logits.device)
-    penalty = torch.tensor([float(p) for p in penalties], dtype=torch.float32)  # [B]
-    penalty = penalty.to(device=logits.device, dtype=logits.dtype).unsqueeze(1)  # [B, 1]
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
-    logits.copy_(torch.where(seen, penalised, logits))
-    return logits
-
-
 def _mask_below_kth(target: torch.Tensor, descending_values: torch.Tensor, top_k: torch.Tensor) -> None:
     """Set target entries below each row's k-th largest value to -inf, in place; rows with k == 0 untouched.
 
@@ -192,18 +184,40 @@ class Sampler:
         self._argmax_rows = kernels.argmax_rows if kernels is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Next token of each row. Processing order, per row and only where the row asks: logit bias,
+        repetition penalty, presence/frequency penalties, min_tokens' ban, then (sampled rows) temperature,
+        top-k, top-p, min-p and the draw; greedy rows take the argmax of the processed logits. `logits` is
+        never modified: logprobs are read from it raw."""
         self._validate(logits, batch)
         params = batch.params
         num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=None)
 
-        want_logprobs = any(p.logprobs for p in params)
-        penalised_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        # One pass over the Python params decides which work this step needs at all.
+        sampled_rows, repeated_rows, counted_rows, biased_rows, min_token_rows = [], [], [], [], []
+        want_logprobs = want_top = False
+        for i, p in enumerate(params):
+            if not p.is_greedy:
+                sampled_rows.append(i)
+            if p.repetition_penalty != 1.0:
+                repeated_rows.append(i)
+            if p.presence_penalty or p.frequency_penalty:
+                counted_rows.append(i)
+            if p.logit_bias:
+                biased_rows.append(i)
+            if p.min_tokens:
+                min_token_rows.append(i)
+            want_logprobs |= p.logprobs
+            want_top |= p.top_logprobs > 0
+        if (counted_rows or min_token_rows) and batch.output_token_ids is None:
+            raise ValueError("batch.output_token_ids is required: some row uses presence_penalty, "
+                             "frequency_penalty or min_tokens")
+        banned = self._banned_for_min_tokens(batch, min_token_rows)
 
-        # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax).
-        if not sampled_rows and not penalised_rows and not want_logprobs:
+        # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax). Taken only
+        # when no row asks for anything that changes the logits or reads them as probabilities.
+        if not (sampled_rows or repeated_rows or counted_rows or biased_rows or banned or want_logprobs):
             if self._argmax_rows is not None and logits.dtype == torch.float32:
                 tokens = self._argmax_rows(logits)
             else:
@@ -212,10 +226,20 @@ class Sampler:
 
         # Copy once: everything below works in place and the caller's logits (needed raw for logprobs) stay intact.
         x = logits.to(dtype=torch.float32, copy=True)  # [B, V]
-        if penalised_rows:
+        if biased_rows:
+            apply_logit_bias(x, [p.logit_bias for p in params], rows=biased_rows)
+        if repeated_rows:
             apply_repetition_penalty(
-                x, batch.token_histories, [p.repetition_penalty for p in params], rows=penalised_rows
+                x, batch.token_histories, [p.repetition_penalty for p in params], rows=repeated_rows
             )
+        if counted_rows:
+            apply_presence_frequency_penalties(
+                x, batch.output_token_ids, [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params], rows=counted_rows
+            )
+        if banned:
+            # Last of the edits, so no later addition can lift a banned token off -inf.
+            apply_min_tokens(x, [banned.get(i, ()) for i in range(num_rows)], rows=list(banned))
 
         sampled_params = [params[i] for i in sampled_rows]
         sampled_generators = [batch.generators[i] for i in sampled_rows]
@@ -228,11 +252,29 @@ class Sampler:
                 xs = x.index_select(0, row_index)  # [S, V]
                 tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators))
 
-        logprobs = None
+        logprobs = tops = None
         if want_logprobs:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
             logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+            if want_top:
+                tops = [top_logprobs(raw_logprobs[i], p.top_logprobs) if p.top_logprobs else ()
+                        for i, p in enumerate(params)]
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=tops)
+
+    @staticmethod
+    def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:
+        """Row -> the ids it may not sample this step: EOS and stop_token_ids while it has generated fewer
+        than min_tokens. Rows past their min_tokens (or with nothing to ban) are absent."""
+        banned = {}
+        for i in rows:
+            p = batch.params[i]
+            if len(batch.output_token_ids[i]) >= p.min_tokens:
+                continue
+            eos = batch.eos_token_ids[i] if batch.eos_token_ids is not None else ()
+            ids = [*p.stop_token_ids, *eos]
+            if ids:
+                banned[i] = ids
+        return banned
 
     def _sample(
         self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
@@ -288,6 +330,9 @@ class Sampler:
             "batch.generators": len(batch.generators),
             "batch.token_histories": len(batch.token_histories),
         }
+        for name in ("output_token_ids", "eos_token_ids"):
+            if getattr(batch, name) is not None:
+                lengths[f"batch.{name}"] = len(getattr(batch, name))
         for name, length in lengths.items():
             if length != num_rows:
                 raise ValueError(f"logits have {num_rows} rows but {name} has {length} entries")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from shared.engine_config import EngineConfig
+from shared.sampling_params import TopLogprobs
 from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
 
@@ -51,9 +52,10 @@ class StepFailure:
     error: str
 
 
-# What the runner returns per scheduled request: (token id, logprob) when the step reached its
-# last known token and sampled, None for a prompt chunk that did not, or a StepFailure.
-StepResult = tuple[int, float] | None | StepFailure
+# What the runner returns per scheduled request: (token id, logprob, top logprobs) when the step reached
+# its last known token and sampled (logprob and top None when no row of the step asked for them), None for
+# a prompt chunk that did not, or a StepFailure.
+StepResult = tuple[int, float | None, TopLogprobs | None] | None | StepFailure
 
 
 @dataclass(frozen=True)
@@ -229,8 +231,9 @@ class Scheduler:
             self.blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
             if result is None:
                 continue
-            token_id, logprob = result
-            request.append_token(token_id, logprob if request.params.logprobs else None)
+            token_id, logprob, top = result
+            params = request.params
+            request.append_token(token_id, logprob if params.logprobs else None, top if params.top_logprobs else None)
             is_first = request.first_token_s is None
             if is_first:
                 request.first_token_s = time.monotonic()

@@ -22,7 +22,7 @@ from shared.config import ClusterConfig
 from shared.engine_config import EngineConfig
 from shared.ipc import WorkerSocket, new_incarnation
 from shared.sampling_params import SamplingParams
-from shared.wire import sampling_from_wire
+from shared.wire import logprobs_to_wire, sampling_from_wire
 from worker.engine import Engine, RequestDelta
 from worker.memory import MemoryReader, MemoryReading
 from worker.scheduler import RequestRejectedError
@@ -239,6 +239,8 @@ class WorkerService:
                 finish_reason=out.finish_reason or "", error=out.error or "",
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                 worker_queue_ms=out.worker_queue_ms, prefill_ms=out.prefill_ms)
+            if out.new_logprobs:
+                delta.logprobs.extend(logprobs_to_wire(out.new_logprobs, out.new_top_logprobs))
             if out.finished:
                 delta.num_preemptions, delta.peak_kv_blocks = out.num_preemptions, out.peak_kv_blocks
             deltas.append(delta)

@@ -35,7 +35,7 @@ def cluster_sections() -> tuple[int, dict]:
     """configs/default.toml's workers and sections, less the gateway's address (the harness picks a free port)."""
     config = tomllib.loads((REPO_ROOT / "configs" / "default.toml").read_text())
     sections = {k: dict(v) for k, v in config.items() if isinstance(v, dict)}
-    for key in ("host", "port", "metrics_port"):
+    for key in ("host", "port", "metrics_port", "http_port"):
         sections.get("gateway", {}).pop(key, None)
     return int(config.get("num_workers", 1)), sections
 

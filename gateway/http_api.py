@@ -1,0 +1,319 @@
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health and
+/metrics, a FastAPI app on the gateway's own event loop (gateway/http_server.py serves it).
+
+Every generation goes through gateway/admission.py, as a gRPC one does: the same bounds, queues,
+priorities, deadlines, workers, metrics and request log. Errors use OpenAI's body
+`{"error": {"message", "type", "param", "code"}}` with the status the client libraries map
+(400 naming the field, never 422; 404, 413, 429 with Retry-After, 503, 504). A streamed answer
+starts once its first tokens are ready, so anything that ends a request before then (a full
+queue, a deadline, no live worker) is still a plain HTTP status; later failures end the stream
+with an error event. A client that goes away, streamed or not, cancels its sequences wherever
+they are.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import Admission, Refusal, choice_params
+from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
+from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
+from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                   CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from gateway.sequences import SequenceFailed, Sequences
+from protos import inference_pb2
+
+TIMEOUT_HEADER = "x-request-timeout"  # seconds, like the body's `timeout`
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 503, 504)}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+    @classmethod
+    def from_code(cls, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> "ApiError":
+        headers = {"retry-after": str(max(1, math.ceil(retry_after_ms / 1e3)))} if retry_after_ms is not None else {}
+        return cls(HTTP_STATUS.get(code, 500), message, code=code.name.lower(), headers=headers)
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, ERROR_TYPE.get(self.status, "server_error"), self.param, self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def served_model_name(config) -> str:
+    return config.gateway.served_model_name or Path(config.model_dir).resolve().name
+
+
+class OpenAiApi:
+    def __init__(self, admission: Admission, is_serving: Callable[[], bool]):
+        self.admission = admission
+        self.config = admission.config
+        self.metrics = admission.metrics
+        self.is_serving = is_serving
+        self.model = served_model_name(self.config)
+        self.created = int(time.time())
+        self.texts = TokenTexts(admission.tokenizer)
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="inference-cluster: OpenAI-compatible API", version="1",
+                      docs_url=None, redoc_url=None)
+        app.add_exception_handler(ApiError, lambda _, e: e.response())
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
+        app.get("/v1/models", response_model=ModelList)(self.models)
+        app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
+        app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)(self.completions)
+        app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)(self.chat)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        return app
+
+    # ---- routes -------------------------------------------------------------------------------------
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, model: str) -> dict:
+        self._check_model(model)
+        return self._card()
+
+    async def health(self) -> Response:
+        if self.is_serving():
+            return JSONResponse({"status": "serving"})
+        status = "draining" if self.admission.draining else "no worker ready"
+        return JSONResponse({"status": status}, status_code=503)
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._answer(body, request, lambda: completion_requests(body, self.config.gateway), chat=False)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        def convert():
+            generate_request, presentation = chat_request(body, self.config.gateway)
+            return [generate_request], presentation
+
+        return await self._answer(body, request, convert, chat=True)
+
+    async def _answer(self, body, request: Request, convert, chat: bool):
+        self._check_model(body.model)
+        try:
+            requests, presentation = convert()
+        except BadRequest as e:
+            raise ApiError(e.status, e.message, e.param, e.code) from None
+        request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return await self._generate(request, request_id, requests, presentation, body.timeout, chat)
+
+    # ---- generation ---------------------------------------------------------------------------------
+    async def _generate(self, http: Request, request_id: str, requests: list[inference_pb2.GenerateRequest],
+                        presentation: Presentation, body_timeout: float | None, chat: bool):
+        arrival_s = time.monotonic()
+        timeout_s = _timeout(http, body_timeout)
+        try:
+            self.admission.acquire_stream(request_id)
+        except Refusal as e:
+            raise ApiError.from_code(e.code, e.message, e.retry_after_ms) from None
+        streaming = False
+        try:
+            sequences = await self._admit(http, request_id, requests, presentation, arrival_s, timeout_s)
+            builder = ResponseBuilder(request_id, self.model, chat, presentation, self.texts)
+            choices = [Choice(i, s, prefix=self._echo(requests[i // presentation.n], s) if presentation.echo else "")
+                       for i, s in enumerate(sequences.states)]
+            if not presentation.stream:
+                await _until_disconnect(http, self._collect(sequences, choices), sequences)
+                return JSONResponse(builder.response(choices), headers=_headers(choices[0].state, timing=True))
+            first = await _until_disconnect(http, sequences.next(), sequences)
+            streaming = True  # the stream now holds the slot until it ends
+
+            def close() -> None:
+                if sequences.close():
+                    self.admission.release_stream()
+
+            return SequenceStream(self._stream(sequences, choices, builder, first), close,
+                                  headers={**_headers(choices[0].state), "cache-control": "no-cache"})
+        except SequenceFailed as e:
+            sequences.close(e.code)
+            raise ApiError.from_code(e.code, e.message) from None
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                self.admission.release_stream()
+
+    async def _admit(self, http: Request, request_id: str, requests: list[inference_pb2.GenerateRequest],
+                     presentation: Presentation, arrival_s: float, timeout_s: float | None) -> Sequences:
+        """Every sequence queued, or none: a refusal of one cancels those already queued."""
+        n = presentation.n
+        total = len(requests) * n
+        states = []
+        try:
+            for p, request in enumerate(requests):
+                first_id = request_id if total == 1 else f"{request_id}-{p * n}"
+                checked = await self.admission.prepare(request, first_id, lambda: grpc.StatusCode.CANCELLED)
+                for j in range(n):
+                    sequence_id = request_id if total == 1 else f"{request_id}-{p * n + j}"
+                    states.append(self.admission.enqueue(checked, sequence_id, arrival_s, timeout_s,
+                                                         choice_params(checked.params, j)))
+        except Refusal as e:
+            Sequences(self.admission, states).close(e.code)
+            raise ApiError.from_code(e.code, e.message, e.retry_after_ms) from None
+        except BaseException:
+            Sequences(self.admission, states).close(grpc.StatusCode.CANCELLED)
+            raise
+        return Sequences(self.admission, states)
+
+    async def _collect(self, sequences: Sequences, choices: list[Choice]) -> None:
+        while not sequences.is_done:
+            index, events = await sequences.next()
+            choices[index].add(events)
+        sequences.close(grpc.StatusCode.OK)
+
+    async def _stream(self, sequences: Sequences, choices: list[Choice], builder: ResponseBuilder,
+                      first: tuple[int, list]) -> AsyncIterator[str]:
+        try:
+            for chunk in builder.opening(choices):
+                yield chunk
+            index, events = first
+            while True:
+                choice = choices[index]
+                added = choice.add(events)
+                if added[0] or added[1] or choice.finish_reason:
+                    yield builder.delta(choice, *added)
+                if sequences.is_done:
+                    break
+                index, events = await sequences.next()
+            if builder.presentation.include_usage:
+                yield builder.usage_chunk(choices)
+            yield SSE_DONE
+            sequences.outcome = grpc.StatusCode.OK
+        except SequenceFailed as e:
+            sequences.outcome = e.code
+            status = HTTP_STATUS.get(e.code, 500)
+            yield sse_error(error_body(e.message, ERROR_TYPE.get(status, "server_error"), None, e.code.name.lower()))
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "inference-cluster",
+                "max_model_len": self.admission.max_model_len}
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model:
+            raise ApiError(404, f"The model `{model[:200]}` does not exist; this server serves `{self.model}`",
+                           "model", "model_not_found")
+
+    def _echo(self, request: inference_pb2.GenerateRequest, state) -> str:
+        if request.prompt and not request.truncate_prompt_tokens:
+            return request.prompt
+        return self.admission.tokenizer.decode(state.prompt_ids)
+
+
+class ClientGone(Exception):
+    pass
+
+
+class SequenceStream(StreamingResponse):
+    """A server-sent-event stream that runs `on_close` however it ends, even when the client went
+    away before the first chunk (a generator that never started would run no cleanup of its own)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str]):
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _until_disconnect(http: Request, work, sequences: Sequences):
+    """Await `work` unless the client goes away first, in which case its sequences are cancelled."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        sequences.close(grpc.StatusCode.CANCELLED)
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _timeout(http: Request, body_timeout: float | None) -> float | None:
+    header = http.headers.get(TIMEOUT_HEADER)
+    values = []
+    if header is not None:
+        try:
+            values.append(float(header))
+        except ValueError:
+            raise ApiError(400, f"the {TIMEOUT_HEADER} header must be a number of seconds, got {header[:40]!r}",
+                           TIMEOUT_HEADER) from None
+    if body_timeout is not None:
+        values.append(body_timeout)
+    if any(not (v > 0 and math.isfinite(v)) for v in values):
+        raise ApiError(400, "timeout must be a positive number of seconds", "timeout")
+    return min(values) if values else None
+
+
+def _headers(state, timing: bool = False) -> dict[str, str]:
+    headers = {"x-request-id": state.request_id, "x-worker-id": state.worker_id or ""}
+    if timing:
+        headers.update({"x-queue-ms": f"{state.queue_ms:.3f}", "x-ttft-ms": f"{state.ttft_ms:.3f}",
+                        "x-total-ms": f"{((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3:.3f}"})
+    return headers
+
+
+_UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _client_path(loc) -> str:
+    """A pydantic error location as the client wrote it: no `body` root, no union branch names."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(p for p in parts if p not in _UNION_BRANCHES and "[" not in p and not p.startswith("function-"))
+
+
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    errors = e.errors() or [{"loc": (), "msg": "invalid body", "type": "invalid"}]
+    # Of a union's branches, the one the body got furthest into says most about what is wrong.
+    first = max(errors, key=lambda err: len(err.get("loc", ())))
+    param = _client_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+    elif first.get("type") == "extra_forbidden":
+        message = f"unrecognized request argument: {param}"
+    elif first.get("type") == "missing":
+        message = f"missing required argument: {param}"
+    else:
+        message = f"{param or 'body'}: {first['msg']}"
+    return ApiError(400, message, param or None, first.get("type")).response()
+
+
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {})).response()
+
+
+async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()

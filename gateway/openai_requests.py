@@ -1,0 +1,171 @@
+"""From an OpenAI request body to the gateway's own GenerateRequest (one per prompt), so the HTTP API
+goes through exactly the admission the gRPC API does, and the HTTP status each outcome maps to.
+
+Only what the OpenAI API has and the gRPC request does not (n, echo, streaming options, the
+logprobs format, return_token_ids) stays here, in `Presentation`; everything that shapes the
+generation travels in the GenerateRequest and is validated by gateway/validation.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Sampling
+from protos import inference_pb2
+from shared.config import GatewayConfig
+from shared.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
+
+# The status an OpenAI client library maps each outcome to (401/403 are the auth layer's).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.CANCELLED: 499,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              499: "cancelled", 503: "service_unavailable", 504: "timeout"}
+
+
+class BadRequest(Exception):
+    """A body the HTTP layer itself refuses (before it reaches admission), naming the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+@dataclass(frozen=True)
+class Presentation:
+    """How the answer is shaped, beyond what the generation is."""
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None  # alternatives per token when log-probabilities were asked for
+    return_token_ids: bool
+
+
+def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
+                                                                                  Presentation]:
+    prompts = _prompts(body.prompt, limits)
+    if body.echo and body.logprobs is not None:
+        raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which this server does not "
+                         "compute; drop one of them", "echo")
+    sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs")
+    requests = []
+    for prompt in prompts:
+        request = inference_pb2.GenerateRequest(sampling=sampling, priority=body.priority,
+                                                truncate_prompt_tokens=_truncate(body))
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            if any(not 0 <= t < 2**32 for t in prompt):
+                raise BadRequest("prompt token ids must be in [0, 2**32)", "prompt")
+            request.prompt_token_ids.extend(prompt)
+        requests.append(request)
+    return requests, _presentation(body, body.echo, body.logprobs, limits)
+
+
+def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[inference_pb2.GenerateRequest,
+                                                                              Presentation]:
+    if not body.messages:
+        raise BadRequest("messages must hold at least one message", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise BadRequest("give max_completion_tokens or max_tokens, not both", "max_completion_tokens")
+    limit, limit_name = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
+                         else (body.max_tokens, "max_tokens"))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    request = inference_pb2.GenerateRequest(
+        sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs"), priority=body.priority,
+        truncate_prompt_tokens=_truncate(body))
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if content is None:
+            raise BadRequest(f"messages[{i}].content is null; give the message's text", f"messages[{i}].content")
+        if not isinstance(content, str):
+            content = "\n".join(part.text for part in content)
+        # "developer" is the newer name OpenAI gives the system role.
+        role = "system" if message.role == "developer" else message.role
+        request.messages.add(role=role, content=content)
+    return request, _presentation(body, False, logprobs, limits)
+
+
+def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise BadRequest("prompt is an empty list; give a string, a list of strings or token ids", "prompt")
+    if len(prompts) > limits.max_prompts:
+        raise BadRequest(f"{len(prompts)} prompts in one request; the gateway takes at most {limits.max_prompts} "
+                         f"(gateway.max_prompts)", "prompt")
+    return prompts
+
+
+def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
+              logprobs_name: str) -> inference_pb2.SamplingOptions:
+    if body.seed is not None and not 0 <= body.seed < MAX_SEED:
+        raise BadRequest(f"seed must be in [0, 2**63), got {body.seed}", "seed")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{logprobs_name} must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", logprobs_name)
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"{max_tokens_name} must be >= 1, got {max_tokens}", max_tokens_name)
+    if not 0 <= body.min_tokens < 2**31:
+        raise BadRequest(f"min_tokens must be in [0, 2**31), got {body.min_tokens}", "min_tokens")
+    if not -2**31 <= body.priority < 2**31:
+        raise BadRequest(f"priority must be a 32-bit integer, got {body.priority}", "priority")
+    options = inference_pb2.SamplingOptions(ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+    if max_tokens is not None:
+        options.max_tokens = min(max_tokens, 2**31 - 1)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "presence_penalty",
+                 "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            if name == "top_k" and value == -1:  # vLLM's "off"
+                value = 0
+            if name == "top_k" and value < 0:
+                raise BadRequest(f"top_k must be -1 or 0 (off) or >= 1, got {value}", "top_k")
+            try:
+                setattr(options, name, value)
+            except ValueError:
+                raise BadRequest(f"{name} = {value} is out of range", name) from None
+    if logprobs is not None:
+        options.logprobs = logprobs
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    options.stop.extend(stops)
+    if body.stop_token_ids:
+        if any(not 0 <= t < 2**32 for t in body.stop_token_ids):
+            raise BadRequest("stop_token_ids must be in [0, 2**32)", "stop_token_ids")
+        options.stop_token_ids.extend(body.stop_token_ids)
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit() or len(key) > 10 or int(key) >= 2**32:
+            raise BadRequest(f"logit_bias keys are token ids; got {key[:40]!r}", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise BadRequest(f"logit_bias[{key}] = {bias} is outside [-100, 100]", "logit_bias")
+        options.logit_bias[int(key)] = bias
+    return options
+
+
+def _truncate(body: _Sampling) -> int:
+    if body.truncate_prompt_tokens is not None and not 1 <= body.truncate_prompt_tokens < 2**32:
+        raise BadRequest(f"truncate_prompt_tokens must be in [1, 2**32), got {body.truncate_prompt_tokens}",
+                         "truncate_prompt_tokens")
+    return body.truncate_prompt_tokens or 0
+
+
+def _presentation(body: _Sampling, echo: bool, logprobs: int | None, limits: GatewayConfig) -> Presentation:
+    if not 1 <= body.n <= limits.max_n:
+        raise BadRequest(f"n must be in [1, {limits.max_n}] (gateway.max_n), got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("stream_options needs stream: true", "stream_options")
+    return Presentation(n=body.n, stream=body.stream,
+                        include_usage=bool(body.stream_options and body.stream_options.include_usage), echo=echo,
+                        logprobs=logprobs, return_token_ids=body.return_token_ids)

@@ -1,0 +1,194 @@
+"""The OpenAI API's answers: completion and chat bodies, their streamed chunks, usage and
+log-probabilities, built from the gateway's stream events.
+
+Streamed chunks are plain dicts serialised once (a chunk per token is the hot path); their shape
+is the one openai_schema.py declares for whole responses, and the tests parse them with the
+official client. Each token's text in log-probabilities is its own decode (cached per id), so
+`tokens` joined may differ from `text` where a character spans tokens, as in OpenAI's API.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from gateway.openai_requests import Presentation
+from gateway.streams import RequestState, StreamEvent
+from gateway.tokenizer import Tokenizer
+from shared.wire import TokenLogprob
+
+
+class TokenTexts:
+    """Each token id's own text, decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+@dataclass
+class Choice:
+    """One sequence's answer as it accumulates."""
+    index: int
+    state: RequestState
+    prefix: str = ""  # the echoed prompt
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, events: list[StreamEvent]) -> tuple[str, list[int], list[TokenLogprob]]:
+        """Take a batch of events; returns what it added (text, token ids, log-probabilities)."""
+        text = "".join(e.text for e in events)
+        ids = [t for e in events for t in e.token_ids]
+        logprobs = [lp for e in events for lp in e.logprobs]
+        self.text += text
+        self.token_ids += ids
+        self.logprobs += logprobs
+        if events[-1].finish_reason is not None:
+            self.finish_reason = events[-1].finish_reason
+        return text, ids, logprobs
+
+
+def usage(choices: list[Choice], n: int) -> dict:
+    """Prompt tokens count once per prompt (its n choices share it), completion tokens per choice."""
+    firsts = [c for c in choices if c.index % n == 0]
+    prompt = sum(len(c.state.prompt_ids) for c in firsts)
+    completion = sum(len(c.state.output_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.state.num_cached_tokens for c in firsts)}}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts, offset: int) -> dict:
+    """The legacy completions format: parallel lists, `text_offset` counted from `offset`."""
+    tokens, offsets = [], []
+    for entry in logprobs:
+        offsets.append(offset)
+        token = texts(entry.token_id)
+        tokens.append(token)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
+            "top_logprobs": [_top_by_text(e.top, texts) for e in logprobs], "text_offset": offsets}
+
+
+def _top_by_text(top: tuple[tuple[int, float], ...], texts: TokenTexts) -> dict[str, float]:
+    """The format keys alternatives by text: of tokens with the same text, the most likely one's."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(texts(token_id), logprob)
+    return out
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        token = texts(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, p) for t, p in e.top]}
+                        for e in logprobs]}
+
+
+class ResponseBuilder:
+    """Bodies and chunks of one request's answer (one id, one creation time, one model name)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, presentation: Presentation, texts: TokenTexts):
+        self.request_id, self.model, self.chat = request_id, model, chat
+        self.presentation = presentation
+        self.texts = texts
+        self.created = int(time.time())
+        self._started: set[int] = set()
+
+    # ---- whole responses ----------------------------------------------------------------------------
+    def response(self, choices: list[Choice]) -> dict:
+        p = self.presentation
+        body = {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [self._choice(c) for c in choices],
+                "usage": usage(choices, p.n)}
+        if self.chat and p.return_token_ids:
+            body["prompt_token_ids"] = list(choices[0].state.prompt_ids)
+        return body
+
+    def _choice(self, c: Choice) -> dict:
+        p = self.presentation
+        if self.chat:
+            out = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                   "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
+                   "finish_reason": c.finish_reason}
+        else:
+            out = {"index": c.index, "text": c.prefix + c.text,
+                   "logprobs": (completion_logprobs(c.logprobs, self.texts, len(c.prefix))
+                                if p.logprobs is not None else None),
+                   "finish_reason": c.finish_reason}
+            if p.return_token_ids:
+                out["prompt_token_ids"] = list(c.state.prompt_ids)
+        if p.return_token_ids:
+            out["token_ids"] = list(c.token_ids)
+        return out
+
+    # ---- streamed chunks ----------------------------------------------------------------------------
+    def opening(self, choices: list[Choice]) -> list[str]:
+        """What a stream starts with: the assistant role (chat) or the echoed prompt (completions)."""
+        if self.chat:
+            return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}, first_of=c) for c in choices]
+        if self.presentation.echo:
+            return [self._chunk({"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None},
+                                first_of=c) for c in choices]
+        return []
+
+    def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str:
+        """One chunk for what a batch of events added to choice `c` (its finish reason when it ended)."""
+        p = self.presentation
+        if self.chat:
+            entry = {"index": c.index, "delta": {"content": text} if text or not c.finish_reason else {},
+                     "logprobs": chat_logprobs(logprobs, self.texts) if p.logprobs is not None else None,
+                     "finish_reason": c.finish_reason}
+        else:
+            offset = len(c.prefix) + len(c.text) - len(text)
+            entry = {"index": c.index, "text": text,
+                     "logprobs": (completion_logprobs(logprobs, self.texts, offset)
+                                  if p.logprobs is not None else None),
+                     "finish_reason": c.finish_reason}
+        if p.return_token_ids:
+            entry["token_ids"] = token_ids
+        return self._chunk(entry, first_of=c)
+
+    def usage_chunk(self, choices: list[Choice]) -> str:
+        return self._sse({"id": self.request_id, "object": self._chunk_object(), "created": self.created,
+                          "model": self.model, "choices": [], "usage": usage(choices, self.presentation.n)})
+
+    def _chunk(self, choice: dict, first_of: Choice) -> str:
+        if self.presentation.return_token_ids and first_of.index not in self._started and not self.chat:
+            choice["prompt_token_ids"] = list(first_of.state.prompt_ids)
+        body = {"id": self.request_id, "object": self._chunk_object(), "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.presentation.include_usage:
+            body["usage"] = None
+        if self.chat and self.presentation.return_token_ids and not self._started:
+            body["prompt_token_ids"] = list(first_of.state.prompt_ids)
+        self._started.add(first_of.index)
+        return self._sse(body)
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    @staticmethod
+    def _sse(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse_error(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP API against a real gateway and two real workers, driven by the
+official `openai` client (sync and async): outputs equal the gRPC path's and the in-process
+engine's, n, logprobs, stop, echo, streaming, concurrency, cancellation and the side endpoints."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import threading
+import time
+import urllib.request
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from bench.cluster_process import free_port
+from cluster_harness import LONG_MAX_TOKENS, Cluster, generate, wait_all_free
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "llama"  # the served checkpoint's folder name
+
+
+@pytest.fixture(scope="module")
+def cluster(served_checkpoint):
+    with Cluster(served_checkpoint, num_workers=2, sections={"gateway": {"http_port": free_port()}}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster):
+    return f"http://127.0.0.1:{cluster.http_port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(served_checkpoint):
+    from worker.engine import Engine
+    return Engine.from_model_dir(served_checkpoint, num_kv_blocks=256)
+
+
+def greedy(engine, prompt_ids: list[int], max_tokens: int, **params):
+    from worker.engine import SamplingParams
+    [out] = engine.generate([prompt_ids], [SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)],
+                            use_tqdm=False)
+    return out
+
+
+def request_records(cluster) -> list[dict]:
+    records = []
+    for line in cluster.logs("gateway").splitlines():
+        if '"event":"request"' in line:
+            records.append(json.loads(line[line.index("{"):]))
+    return records
+
+
+# ---- equality with the gRPC path and the engine -----------------------------------------------------
+def test_greedy_completion_equals_grpc_and_engine(client, cluster, engine, tokenizer):
+    prompt = "Once upon a time"
+    ids = tokenizer.encode(prompt)
+    expected = greedy(engine, ids, 24, ignore_eos=True).token_ids
+    grpc_ids, grpc_text, _ = generate(cluster.stub, prompt=prompt,
+                                      sampling=dict(max_tokens=24, temperature=0.0, ignore_eos=True))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    [choice] = r.choices
+    assert choice.token_ids == expected == grpc_ids
+    assert choice.prompt_token_ids == ids
+    assert choice.text == grpc_text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 24
+    assert r.usage.total_tokens == len(ids) + 24
+    assert r.model == MODEL and r.object == "text_completion"
+
+
+def test_streamed_chat_equals_unstreamed_and_engine(client, engine, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo wörld"}]
+    ids = tokenizer.encode_chat(messages)
+    expected = greedy(engine, ids, 20, ignore_eos=True).token_ids
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert whole.choices[0].token_ids == expected
+    assert whole.prompt_token_ids == ids
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert content == whole.choices[0].message.content == tokenizer.decode(expected)
+    assert streamed_ids == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
+    assert usage_chunk.usage.prompt_tokens == len(ids)
+
+
+def test_text_parts_render_like_a_string(client):
+    as_string = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a\nb"}],
+                                               max_tokens=6, temperature=0)
+    as_parts = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=6, temperature=0)
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+
+
+def test_async_client_prompt_forms(base_url, engine, tokenizer):
+    prompts = ["The quick brown fox", "Paged attention"]
+    ids = [tokenizer.encode(p) for p in prompts]
+    expected = [greedy(engine, i, 12, ignore_eos=True).token_ids for i in ids]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as client:
+            extra = {"return_token_ids": True, "ignore_eos": True}
+            by_text = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
+                                                      extra_body=extra)
+            by_ids = await client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                                     extra_body=extra)
+            one_ids = await client.completions.create(model=MODEL, prompt=ids[1], max_tokens=12, temperature=0,
+                                                      extra_body=extra)
+            stream = await client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0,
+                                                     stream=True, extra_body=extra)
+            streamed = [c async for c in stream]
+            return by_text, by_ids, one_ids, streamed
+
+    by_text, by_ids, one_ids, streamed = asyncio.run(run())
+    assert [c.token_ids for c in by_text.choices] == expected == [c.token_ids for c in by_ids.choices]
+    assert [c.index for c in by_text.choices] == [0, 1]
+    assert one_ids.choices[0].token_ids == expected[1]
+    assert [t for c in streamed for t in (c.choices[0].model_extra.get("token_ids") or [])] == expected[0]
+    assert "".join(c.choices[0].text for c in streamed) == by_text.choices[0].text
+
+
+# ---- n, logprobs, stop, echo ------------------------------------------------------------------------
+def test_n_choices_identical_when_greedy_and_distinct_when_seeded(client):
+    greedy_choices = client.completions.create(model=MODEL, prompt="Hello", n=3, max_tokens=16, temperature=0,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True}).choices
+    assert [c.index for c in greedy_choices] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in greedy_choices}) == 1
+    seeded = client.completions.create(model=MODEL, prompt="Hello", n=3, max_tokens=16, temperature=1.0, seed=7,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert len({tuple(c.token_ids) for c in seeded.choices}) == 3
+    again = client.completions.create(model=MODEL, prompt="Hello", n=3, max_tokens=16, temperature=1.0, seed=7,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in seeded.choices]
+    assert seeded.usage.completion_tokens == 48 and seeded.usage.prompt_tokens == len(seeded.choices[0].prompt_token_ids)
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3,
+                                                   max_tokens=8, temperature=0, stream=True))
+    by_index: dict[int, str] = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            by_index[c.index] = by_index.get(c.index, "") + (c.delta.content or "")
+    assert sorted(by_index) == [0, 1, 2] and len(set(by_index.values())) == 1
+
+
+def test_logprobs_equal_the_engines(client, engine, tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    expected = greedy(engine, ids, 10, ignore_eos=True, logprobs=True, top_logprobs=3)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=3,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].token_ids == expected.token_ids
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(lp.token_logprobs, expected.logprobs, strict=True))
+    for top, chosen_lp in zip(lp.top_logprobs, lp.token_logprobs):
+        values = list(top.values())
+        assert values == sorted(values, reverse=True)
+        assert abs(max(values) - chosen_lp) <= 1e-6  # greedy: the chosen token is the most likely one
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected.token_ids]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0.8, seed=3, logprobs=True, top_logprobs=5,
+                                          extra_body={"return_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(chat.choices[0].token_ids)
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        # Sampled, not greedy: the chosen token is at most as likely as the most likely one, and
+        # at least as likely as the fifth when it is among them.
+        assert entry.logprob <= tops[0] + 1e-6 and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_stop_strings_and_echo(client, tokenizer):
+    base = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:8]
+    assert stop and stop not in base[:5]
+    stopped = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert stopped.text == base[:base.index(stop)] and stopped.finish_reason == "stop"
+    streamed = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, temperature=0, stop=stop,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == stopped.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert echoed.text == "Hello" + base
+    echoed_ids = client.completions.create(model=MODEL, prompt=tokenizer.encode("Hello"), max_tokens=4,
+                                           temperature=0, echo=True).choices[0]
+    assert echoed_ids.text.startswith(tokenizer.decode(tokenizer.encode("Hello")))
+
+
+def test_sampling_extensions_reach_the_worker(client, engine, tokenizer):
+    ids = tokenizer.encode("Hello")
+    eos = tokenizer.special.eos_ids[0]
+    # Pushing EOS up makes it the greedy choice at once, unless min_tokens holds it back.
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0, logit_bias={str(eos): 100},
+                                  extra_body={"min_tokens": 5, "return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and len(choice.token_ids) == 6 and choice.token_ids[-1] == eos
+    expected = greedy(engine, ids, 12, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5).token_ids
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, presence_penalty=1.5,
+                                  frequency_penalty=0.5, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == expected
+
+
+# ---- concurrency and cancellation -------------------------------------------------------------------
+def test_sixteen_concurrent_sse_streams(base_url, engine, tokenizer):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(4, 100))] for _ in range(16)]
+    max_tokens = [rng.randint(8, 32) for _ in prompts]
+    expected = [greedy(engine, p, m, ignore_eos=True).token_ids for p, m in zip(prompts, max_tokens)]
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens[i],
+                                                 temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [t async for c in stream for t in (c.choices[0].model_extra.get("token_ids") or [])]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    assert asyncio.run(run()) == expected
+
+
+def test_cancel_storm_leaves_every_pool_free(base_url, cluster):
+    rng = random.Random(1)
+
+    async def dropped(http, i):
+        body = {"model": MODEL, "prompt": [rng.randrange(3, 320) for _ in range(rng.randint(4, 200))],
+                "max_tokens": LONG_MAX_TOKENS // 4, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            chunks = rng.randint(0, 6)
+            async for _ in response.aiter_lines():
+                chunks -= 1
+                if chunks <= 0:
+                    break  # leaving the block closes the connection mid-stream
+
+    async def abandoned(http):
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            await http.post("/v1/completions", json=body, timeout=rng.uniform(0.05, 0.5))
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+            await asyncio.gather(*(dropped(http, i) for i in range(24)), *(abandoned(http) for _ in range(6)))
+
+    asyncio.run(run())
+    wait_all_free(cluster)
+
+
+def test_a_client_that_disconnects_mid_stream_costs_no_further_compute(base_url, cluster):
+    request_id = f"gone-{time.monotonic_ns()}"
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body, headers={"x-request-id": request_id}) as response:
+            assert response.headers["x-request-id"] == request_id
+            assert response.headers["x-worker-id"].startswith("worker-")
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= 6:
+                    break
+    wait_all_free(cluster, timeout_s=5)
+    deadline = time.monotonic() + 5
+    while not (records := [r for r in request_records(cluster) if r["request_id"] == request_id]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    [record] = records
+    assert record["status_code"] == "CANCELLED"
+    assert record["completion_tokens"] < LONG_MAX_TOKENS // 4
+    # Nothing was computed for it after the cancel: the worker is idle and the pools are free.
+    status = cluster.status()
+    assert all(w.num_running == 0 for w in status.workers)
+
+
+# ---- the side endpoints -----------------------------------------------------------------------------
+def test_models_health_metrics_openapi_and_headers(client, base_url):
+    [card] = client.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 2048
+    assert client.models.retrieve(MODEL).id == MODEL
+    with urllib.request.urlopen(f"{base_url}/health", timeout=5) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert "inference_request_status_total" in text
+    with urllib.request.urlopen(f"{base_url}/openapi.json", timeout=5) as r:
+        schema = json.loads(r.read())
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "max_tokens", "logprobs", "echo", "top_k", "return_token_ids", "stream_options"} <= set(props)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                                      extra_headers={"x-request-id": "my-id-1"})
+    assert raw.headers["x-request-id"] == "my-id-1" and raw.parse().id == "my-id-1"
+    assert raw.headers["x-worker-id"].startswith("worker-")
+    assert float(raw.headers["x-total-ms"]) >= float(raw.headers["x-ttft-ms"]) > 0
+    assert not math.isnan(float(raw.headers["x-queue-ms"]))
+
+
+def test_timeout_ends_a_request_504_and_frees_its_blocks(client, cluster):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=LONG_MAX_TOKENS,
+                                  extra_body={"ignore_eos": True, "timeout": 0.3})
+    assert e.value.status_code == 504
+    assert "deadline" in e.value.message
+    wait_all_free(cluster, timeout_s=5)
+
+
+def test_grpc_logprobs_match_http(client, cluster, tokenizer):
+    ids = tokenizer.encode("Hello")
+    from protos import inference_pb2
+    request = inference_pb2.GenerateRequest(prompt_token_ids=ids, sampling=inference_pb2.SamplingOptions(
+        max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True))
+    entries = [lp for response in cluster.stub.Generate(request, timeout=30) for lp in response.logprobs]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=2,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert [e.token_id for e in entries] == r.choices[0].token_ids
+    assert [round(e.logprob, 5) for e in entries] == [round(x, 5) for x in r.choices[0].logprobs.token_logprobs]
+    assert all(len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob for e in entries)
+
+
+def test_other_streams_keep_being_served_beside_bad_requests(base_url, engine, tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    expected = greedy(engine, ids, 40, ignore_eos=True).token_ids
+    result: dict = {}
+
+    def good():
+        with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as c:
+            result["ids"] = c.completions.create(model=MODEL, prompt=ids, max_tokens=40, temperature=0,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True}
+                                                 ).choices[0].token_ids
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        for body in (b"{not json", b'{"model": "llama", "prompt": 5}', b'{"model": "llama", "prompt": "x", "n": 99}'):
+            r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    thread.join(60)
+    assert result["ids"] == expected

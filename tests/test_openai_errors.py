@@ -1,0 +1,199 @@
+"""Bad input and refusals over the OpenAI HTTP API, on the real gateway in front of model-free
+workers: each answered with the status an OpenAI client maps and OpenAI's error body, naming the
+problem; never 422; and the gateway keeps serving. Also 429 with Retry-After, 503 with no worker
+or while draining, 413 for a body over the bound, and the request log's line for each."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from bench.cluster_process import free_port
+from gateway_fake_cluster import FakeCluster
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "llama"
+MAX_BODY = 64 * 1024
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def cluster(served_checkpoint):
+    gateway = {"http_port": free_port(), "max_body_bytes": MAX_BODY, "max_n": 4, "max_stop_strings": 2}
+    with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": gateway}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as client:
+        yield client
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+BAD_BODIES = [
+    # (path, body, status, what the message names)
+    ("/v1/completions", completion(prompt=5), 400, "prompt"),
+    ("/v1/completions", completion(max_tokens="5"), 400, "max_tokens"),
+    ("/v1/completions", completion(stream="yes"), 400, "stream"),
+    ("/v1/completions", completion(frobnicate=1), 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", completion(model="gpt-4"), 404, "gpt-4"),
+    ("/v1/completions", completion(n=5), 400, "max_n"),
+    ("/v1/completions", completion(logprobs=6), 400, "logprobs"),
+    ("/v1/completions", completion(logprobs=1, echo=True), 400, "echo"),
+    ("/v1/completions", completion(prompt=""), 400, "empty"),
+    ("/v1/completions", completion(prompt=[]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=[1, 99999]), 400, "vocabulary"),
+    ("/v1/completions", completion(prompt=[-1]), 400, "prompt"),
+    ("/v1/completions", completion(max_tokens=0), 400, "max_tokens"),
+    ("/v1/completions", completion(max_tokens=5000), 400, "context"),
+    ("/v1/completions", completion(prompt="x " * 3000), 400, "context"),
+    ("/v1/completions", completion(temperature=-1), 400, "temperature"),
+    ("/v1/completions", completion(top_p=1.5), 400, "top_p"),
+    ("/v1/completions", completion(top_k=-2), 400, "top_k"),
+    ("/v1/completions", completion(seed=-1), 400, "seed"),
+    ("/v1/completions", completion(presence_penalty=3), 400, "presence_penalty"),
+    ("/v1/completions", completion(stop=["a", "b", "c"]), 400, "max_stop_strings"),
+    ("/v1/completions", completion(stop=[""]), 400, "stop"),
+    ("/v1/completions", completion(stop_token_ids=[100000]), 400, "vocabulary"),
+    ("/v1/completions", completion(logit_bias={"x": 1}), 400, "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"99999": 1}), 400, "vocabulary"),
+    ("/v1/completions", completion(min_tokens=10), 400, "min_tokens"),
+    ("/v1/completions", completion(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("/v1/completions", completion(timeout=-1), 400, "timeout"),
+    ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
+    ("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "type"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user"}]), 400, "content"),
+    ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=6), 400, "top_logprobs"),
+    ("/v1/chat/completions", chat(max_tokens=4, max_completion_tokens=4), 400, "max_completion_tokens"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,named", BAD_BODIES,
+                         ids=[f"{p.split('/')[-1]}-{'-'.join(map(str, b))[:60]}-{i}"
+                              for i, (p, b, _, _) in enumerate(BAD_BODIES)])
+def test_bad_input_gets_its_status_and_an_openai_error_body(http, path, body, status, named):
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == ERROR_KEYS
+    assert named in error["message"] or named == error["param"], error
+
+
+def test_malformed_json_and_unknown_routes(http):
+    r = http.post("/v1/completions", content=b'{"model": "llama", "prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert r.status_code == 404 and set(r.json()["error"]) == ERROR_KEYS
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) == ERROR_KEYS
+    r = http.post("/v1/completions", json=completion(), headers={"x-request-id": "bad id with spaces"})
+    assert r.status_code == 400 and "request_id" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json=completion(), headers={"x-request-timeout": "soon"})
+    assert r.status_code == 400 and "x-request-timeout" in r.json()["error"]["message"]
+
+
+def test_body_over_the_bound_is_413_by_length_and_when_chunked(http):
+    big = completion(prompt="x" * MAX_BODY)
+    r = http.post("/v1/completions", json=big)
+    assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
+
+    def chunks():
+        payload = httpx.Request("POST", "/", json=big).content
+        for i in range(0, len(payload), 4096):
+            yield payload[i:i + 4096]
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and set(r.json()["error"]) == ERROR_KEYS
+    assert http.post("/v1/completions", json=completion()).status_code == 200
+
+
+def test_a_duplicate_request_id_in_flight_is_409(http, cluster):
+    done = threading.Event()
+
+    def long_one():
+        http.post("/v1/completions", json=completion(max_tokens=200), headers={"x-request-id": "twice"})
+        done.set()
+
+    thread = threading.Thread(target=long_one)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = http.post("/v1/completions", json=completion(), headers={"x-request-id": "twice"})
+    assert r.status_code == 409 and "already in flight" in r.json()["error"]["message"]
+    thread.join(30)
+    assert done.is_set()
+
+
+def test_refusals_are_in_the_request_log(http, cluster):
+    http.post("/v1/completions", json=completion(temperature=-1), headers={"x-request-id": "logged-refusal"})
+    deadline = time.monotonic() + 5
+    while not (records := [r for r in cluster.request_records() if r["request_id"] == "logged-refusal"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert records[0]["status_code"] == "INVALID_ARGUMENT" and "temperature" in records[0]["error"]
+
+
+def test_stream_limit_is_429_with_retry_after(served_checkpoint):
+    gateway = {"http_port": free_port(), "max_concurrent_streams": 1}
+    with FakeCluster(served_checkpoint, step_ms=20, sections={"gateway": gateway, "queues": {"retry_after_ms": 1500}}
+                     ) as cluster, httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=completion(max_tokens=100, stream=True)) as first:
+            assert first.status_code == 200
+            r = http.post("/v1/completions", json=completion())
+            assert r.status_code == 429 and r.headers["retry-after"] == "2"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="x",
+                               max_retries=0) as client, pytest.raises(openai.RateLimitError):
+                client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            lines = [line for line in first.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+
+
+def test_no_live_worker_is_503_and_health_says_so(served_checkpoint):
+    gateway = {"http_port": free_port(), "heartbeat_timeout_s": 0.5, "resume_grace_s": 0.0}
+    with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": gateway}) as cluster, \
+            httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        cluster.kill_worker("worker-0")
+        deadline = time.monotonic() + 10
+        while http.get("/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = http.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and "no worker" in r.json()["error"]["message"]
+
+
+def test_sigterm_drains_http_streams_and_refuses_new_ones_503(served_checkpoint):
+    gateway = {"http_port": free_port(), "drain_grace_s": 30.0}
+    with FakeCluster(served_checkpoint, step_ms=10, sections={"gateway": gateway}) as cluster, \
+            httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=completion(max_tokens=150, stream=True)) as stream:
+            assert stream.status_code == 200
+            cluster.procs["gateway"].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while http.get("/health").status_code != 503:  # the gateway has taken the signal
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            r = http.post("/v1/completions", json=completion())
+            assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+            lines = [line for line in stream.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 151  # 150 tokens, then [DONE]
+        assert cluster.procs["gateway"].wait(timeout=30) == 0
