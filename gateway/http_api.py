@@ -22,7 +22,8 @@ from typing import AsyncIterator, Callable
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -80,8 +81,9 @@ class OpenAiApi:
         app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
         app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)(self.completions)
         app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)(self.chat)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.prometheus)
+        app.get("/health", responses={503: {"description": "draining, or no worker ready"}})(self.health)
+        app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
+        app.openapi = lambda: _without_422(app)
         return app
 
     # ---- routes -------------------------------------------------------------------------------------
@@ -221,6 +223,17 @@ class OpenAiApi:
         if request.prompt and not request.truncate_prompt_tokens:
             return request.prompt
         return self.admission.tokenizer.decode(state.prompt_ids)
+
+
+def _without_422(app: FastAPI) -> dict:
+    """FastAPI documents its own 422 for every body; this server answers validation errors 400."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class ClientGone(Exception):
