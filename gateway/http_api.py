@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,7 @@ from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Present
 from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from gateway.request_log import refuse_request
 from gateway.sequences import SequenceFailed, Sequences
 from protos import inference_pb2
 
@@ -41,18 +43,40 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 5
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, logged: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+        self.logged = logged  # already in the request log (admission logs its own refusals)
 
     @classmethod
-    def from_code(cls, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None) -> "ApiError":
+    def from_code(cls, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                  logged: bool = False) -> "ApiError":
         headers = {"retry-after": str(max(1, math.ceil(retry_after_ms / 1e3)))} if retry_after_ms is not None else {}
-        return cls(HTTP_STATUS.get(code, 500), message, code=code.name.lower(), headers=headers)
+        status = HTTP_STATUS.get(code, 500)
+        return cls(status, message, _param_of(message) if status == 400 else None, code.name.lower(), headers, logged)
 
     def response(self) -> JSONResponse:
         body = error_body(self.message, ERROR_TYPE.get(self.status, "server_error"), self.param, self.code)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# The fields a refusal's message may begin with (validation names the field first).
+_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
+    "prompt_token_ids", "request_id", "messages", "logit_bias"}
+_LEADING_NAME = re.compile(r"^(?:the )?([a-z_]+)(\[\d+\])?")
+
+
+def _param_of(message: str) -> str | None:
+    """The body field an admission message names first, as `param` (e.g. "temperature must be ...")."""
+    match = _LEADING_NAME.match(message)
+    if match and match.group(1) in _FIELDS:
+        return match.group(1) + (match.group(2) or "")
+    return None
+
+
+# Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
+_LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def served_model_name(config) -> str:
@@ -73,9 +97,9 @@ class OpenAiApi:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="inference-cluster: OpenAI-compatible API", version="1",
                       docs_url=None, redoc_url=None)
-        app.add_exception_handler(ApiError, lambda _, e: e.response())
-        app.add_exception_handler(RequestValidationError, _validation_error)
-        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(ApiError, self._answer_error)
+        app.add_exception_handler(RequestValidationError, lambda r, e: self._answer_error(r, _validation_error(e)))
+        app.add_exception_handler(StarletteHTTPException, lambda r, e: self._answer_error(r, _http_error(e)))
         app.add_exception_handler(Exception, _internal_error)
         app.get("/v1/models", response_model=ModelList)(self.models)
         app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
@@ -85,6 +109,16 @@ class OpenAiApi:
         app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
         app.openapi = lambda: _without_422(app)
         return app
+
+    def _answer_error(self, http: Request, e: ApiError) -> JSONResponse:
+        """An error response; a refusal of a generation that admission did not already log is logged
+        and counted here, once."""
+        if not e.logged and http.url.path in GENERATE_PATHS and e.status in _LOG_STATUS:
+            self.refused(http.headers.get("x-request-id", "-"), e.status, e.message)
+        return e.response()
+
+    def refused(self, request_id: str, status: int, message: str) -> None:
+        refuse_request(request_id, _LOG_STATUS.get(status, "UNKNOWN"), message, self.metrics)
 
     # ---- routes -------------------------------------------------------------------------------------
     async def models(self) -> dict:
@@ -119,6 +153,9 @@ class OpenAiApi:
             requests, presentation = convert()
         except BadRequest as e:
             raise ApiError(e.status, e.message, e.param, e.code) from None
+        except UnicodeEncodeError as e:  # JSON may carry a lone surrogate, which no UTF-8 string holds
+            raise ApiError(400, f"the body's text must be valid Unicode: {e.object[e.start:e.end]!r} is a lone "
+                                f"surrogate") from None
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await self._generate(request, request_id, requests, presentation, body.timeout, chat)
 
@@ -130,7 +167,7 @@ class OpenAiApi:
         try:
             self.admission.acquire_stream(request_id)
         except Refusal as e:
-            raise ApiError.from_code(e.code, e.message, e.retry_after_ms) from None
+            raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
         streaming = False
         try:
             sequences = await self._admit(http, request_id, requests, presentation, arrival_s, timeout_s)
@@ -138,9 +175,9 @@ class OpenAiApi:
             choices = [Choice(i, s, prefix=self._echo(requests[i // presentation.n], s) if presentation.echo else "")
                        for i, s in enumerate(sequences.states)]
             if not presentation.stream:
-                await _until_disconnect(http, self._collect(sequences, choices), sequences)
-                return JSONResponse(builder.response(choices), headers=_headers(choices[0].state, timing=True))
-            first = await _until_disconnect(http, sequences.next(), sequences)
+                await _until_disconnect(http, self._collect(sequences, choices), sequences.close)
+                return JSONResponse(builder.response(choices), headers=_headers(request_id, choices, timing=True))
+            first = await _until_disconnect(http, sequences.next(), sequences.close)
             streaming = True  # the stream now holds the slot until it ends
 
             def close() -> None:
@@ -148,10 +185,10 @@ class OpenAiApi:
                     self.admission.release_stream()
 
             return SequenceStream(self._stream(sequences, choices, builder, first), close,
-                                  headers={**_headers(choices[0].state), "cache-control": "no-cache"})
+                                  headers={**_headers(request_id, choices), "cache-control": "no-cache"})
         except SequenceFailed as e:
             sequences.close(e.code)
-            raise ApiError.from_code(e.code, e.message) from None
+            raise ApiError.from_code(e.code, e.message, logged=True) from None
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -160,24 +197,33 @@ class OpenAiApi:
 
     async def _admit(self, http: Request, request_id: str, requests: list[inference_pb2.GenerateRequest],
                      presentation: Presentation, arrival_s: float, timeout_s: float | None) -> Sequences:
-        """Every sequence queued, or none: a refusal of one cancels those already queued."""
+        """Every sequence queued, or none. Every prompt is checked and tokenized first (watching
+        for the client going away), then every sequence queued at once, so a bad or abandoned
+        prompt costs no other prompt a dispatch; a queue refusal cancels those already queued."""
         n = presentation.n
         total = len(requests) * n
+        limit = self.config.queues.max_queued_requests
+        if total > limit:  # could never be queued at once: not worth a retry
+            raise ApiError(400, f"{len(requests)} prompts x n={n} = {total} sequences; the gateway queues at most "
+                                f"{limit} (queues.max_queued_requests)", "n")
+
+        async def prepare_all():
+            return [await self.admission.prepare(r, request_id, lambda: grpc.StatusCode.CANCELLED) for r in requests]
+
+        try:
+            prepared = await _until_disconnect(http, prepare_all(), lambda: None)
+        except Refusal as e:
+            raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
         states = []
         try:
-            for p, request in enumerate(requests):
-                first_id = request_id if total == 1 else f"{request_id}-{p * n}"
-                checked = await self.admission.prepare(request, first_id, lambda: grpc.StatusCode.CANCELLED)
+            for p, checked in enumerate(prepared):
                 for j in range(n):
                     sequence_id = request_id if total == 1 else f"{request_id}-{p * n + j}"
                     states.append(self.admission.enqueue(checked, sequence_id, arrival_s, timeout_s,
                                                          choice_params(checked.params, j)))
         except Refusal as e:
             Sequences(self.admission, states).close(e.code)
-            raise ApiError.from_code(e.code, e.message, e.retry_after_ms) from None
-        except BaseException:
-            Sequences(self.admission, states).close(grpc.StatusCode.CANCELLED)
-            raise
+            raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
         return Sequences(self.admission, states)
 
     async def _collect(self, sequences: Sequences, choices: list[Choice]) -> None:
@@ -195,7 +241,9 @@ class OpenAiApi:
             while True:
                 choice = choices[index]
                 added = choice.add(events)
-                if added[0] or added[1] or choice.finish_reason:
+                # Tokens with no text yet (a character's first bytes) are worth a chunk only to a
+                # client that reads token ids or log-probabilities.
+                if added[0] or choice.finish_reason or (added[1] and builder.carries_tokens):
                     yield builder.delta(choice, *added)
                 if sequences.is_done:
                     break
@@ -255,17 +303,22 @@ class SequenceStream(StreamingResponse):
             self._on_close()
 
 
-async def _until_disconnect(http: Request, work, sequences: Sequences):
-    """Await `work` unless the client goes away first, in which case its sequences are cancelled."""
+async def _until_disconnect(http: Request, work, on_gone: Callable[[], None]):
+    """Await `work` unless the client goes away first (raises ClientGone) or the handler itself
+    is cancelled (the server stopping): either way `work` is cancelled and `on_gone` runs."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(http))
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        on_gone()
+        raise
     finally:
         watch.cancel()
     if not task.done():
         task.cancel()
-        sequences.close(grpc.StatusCode.CANCELLED)
+        on_gone()
         raise ClientGone()
     return task.result()
 
@@ -291,9 +344,12 @@ def _timeout(http: Request, body_timeout: float | None) -> float | None:
     return min(values) if values else None
 
 
-def _headers(state, timing: bool = False) -> dict[str, str]:
-    headers = {"x-request-id": state.request_id, "x-worker-id": state.worker_id or ""}
+def _headers(request_id: str, choices: list[Choice], timing: bool = False) -> dict[str, str]:
+    """The request's id, the workers its sequences run on, and (whole answers) choice 0's timing."""
+    workers = sorted({c.state.worker_id for c in choices if c.state.worker_id})
+    headers = {"x-request-id": request_id, "x-worker-id": ",".join(workers)}
     if timing:
+        state = choices[0].state
         headers.update({"x-queue-ms": f"{state.queue_ms:.3f}", "x-ttft-ms": f"{state.ttft_ms:.3f}",
                         "x-total-ms": f"{((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3:.3f}"})
     return headers
@@ -308,12 +364,13 @@ def _client_path(loc) -> str:
     return ".".join(p for p in parts if p not in _UNION_BRANCHES and "[" not in p and not p.startswith("function-"))
 
 
-async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+def _validation_error(e: RequestValidationError) -> ApiError:
     errors = e.errors() or [{"loc": (), "msg": "invalid body", "type": "invalid"}]
     # Of a union's branches, the one the body got furthest into says most about what is wrong.
     first = max(errors, key=lambda err: len(err.get("loc", ())))
     param = _client_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":
+        param = ""  # pydantic's location is the parse position, not a field
         message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
     elif first.get("type") == "extra_forbidden":
         message = f"unrecognized request argument: {param}"
@@ -321,11 +378,11 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
         message = f"missing required argument: {param}"
     else:
         message = f"{param or 'body'}: {first['msg']}"
-    return ApiError(400, message, param or None, first.get("type")).response()
+    return ApiError(400, message, param or None, first.get("type"))
 
 
-async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {})).response()
+def _http_error(e: StarletteHTTPException) -> ApiError:
+    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {}))
 
 
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:

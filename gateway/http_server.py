@@ -26,15 +26,18 @@ class BodyLimit:
     """ASGI middleware: a body beyond `max_bytes` is refused 413 before it is read (by its
     Content-Length) or as soon as it passes the bound (a chunked body), never parsed."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, on_refused=lambda request_id, message: None):
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refused = on_refused  # (x-request-id, message): the request log's line
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            self.on_refused(headers.get(b"x-request-id", b"-").decode("latin-1"), self._message(int(length)))
             return await self._refuse(send, int(length))
         seen = 0
 
@@ -81,11 +84,11 @@ class _InLoopServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, max_body_bytes: int):
+    def __init__(self, app, host: str, port: int, max_body_bytes: int, on_refused=lambda request_id, message: None):
         self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                          reuse_port=False)
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(BodyLimit(app, max_body_bytes), log_level="warning", access_log=False,
+        config = uvicorn.Config(BodyLimit(app, max_body_bytes, on_refused), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 timeout_keep_alive=30, http="auto")
         self.server = _InLoopServer(config)

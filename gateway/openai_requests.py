@@ -24,7 +24,7 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.CANCELLED: 499,
 }
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+ERROR_TYPE = {400: "invalid_request_error", 405: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
               499: "cancelled", 503: "service_unavailable", 504: "timeout"}
 
@@ -146,10 +146,12 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
             raise BadRequest("stop_token_ids must be in [0, 2**32)", "stop_token_ids")
         options.stop_token_ids.extend(body.stop_token_ids)
     for key, bias in (body.logit_bias or {}).items():
-        if not key.isdigit() or len(key) > 10 or int(key) >= 2**32:
+        if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) >= 2**32:
             raise BadRequest(f"logit_bias keys are token ids; got {key[:40]!r}", "logit_bias")
         if not -100 <= bias <= 100:
             raise BadRequest(f"logit_bias[{key}] = {bias} is outside [-100, 100]", "logit_bias")
+        if int(key) in options.logit_bias:
+            raise BadRequest(f"logit_bias names token {int(key)} twice", "logit_bias")
         options.logit_bias[int(key)] = bias
     return options
 

@@ -24,12 +24,20 @@ class TokenTexts:
     def __init__(self, tokenizer: Tokenizer):
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's raw bytes (a part of a character where its text alone is U+FFFD)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = list(self._tokenizer.token_bytes(token_id))
+        return raw
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    logprob_offset: int = -1  # where the next token's text_offset counts from (streamed answers)
 
     def add(self, events: list[StreamEvent]) -> tuple[str, list[int], list[TokenLogprob]]:
         """Take a batch of events; returns what it added (text, token ids, log-probabilities)."""
@@ -66,7 +75,9 @@ def usage(choices: list[Choice], n: int) -> dict:
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts, offset: int) -> dict:
-    """The legacy completions format: parallel lists, `text_offset` counted from `offset`."""
+    """The legacy completions format: parallel lists, `text_offset` counted from `offset` over each
+    token's own text (as OpenAI's: where a character spans tokens, those texts are U+FFFD and the
+    offsets run ahead of the joined text)."""
     tokens, offsets = [], []
     for entry in logprobs:
         offsets.append(offset)
@@ -87,8 +98,7 @@ def _top_by_text(top: tuple[tuple[int, float], ...], texts: TokenTexts) -> dict[
 
 def chat_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        token = texts(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": texts(token_id), "logprob": logprob, "bytes": texts.bytes_of(token_id)}
 
     return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, p) for t, p in e.top]}
                         for e in logprobs]}
@@ -103,6 +113,7 @@ class ResponseBuilder:
         self.texts = texts
         self.created = int(time.time())
         self._started: set[int] = set()
+        self.carries_tokens = presentation.return_token_ids or presentation.logprobs is not None
 
     # ---- whole responses ----------------------------------------------------------------------------
     def response(self, choices: list[Choice]) -> dict:
@@ -150,11 +161,12 @@ class ResponseBuilder:
                      "logprobs": chat_logprobs(logprobs, self.texts) if p.logprobs is not None else None,
                      "finish_reason": c.finish_reason}
         else:
-            offset = len(c.prefix) + len(c.text) - len(text)
-            entry = {"index": c.index, "text": text,
-                     "logprobs": (completion_logprobs(logprobs, self.texts, offset)
-                                  if p.logprobs is not None else None),
-                     "finish_reason": c.finish_reason}
+            entry = {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+            if p.logprobs is not None:
+                # Counted the way the whole answer counts it: the echo, then each token's own text.
+                offset = len(c.prefix) if c.logprob_offset < 0 else c.logprob_offset
+                entry["logprobs"] = completion_logprobs(logprobs, self.texts, offset)
+                c.logprob_offset = offset + sum(len(self.texts(e.token_id)) for e in logprobs)
         if p.return_token_ids:
             entry["token_ids"] = token_ids
         return self._chunk(entry, first_of=c)

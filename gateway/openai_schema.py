@@ -20,7 +20,6 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Request):

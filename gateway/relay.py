@@ -41,7 +41,8 @@ async def event_batches(state: RequestState, dispatcher: Dispatcher) -> AsyncIte
             if deadline_passed:
                 dispatcher.cancel(state.internal_id, reason="error")
                 state.status_code = grpc.StatusCode.DEADLINE_EXCEEDED
-                raise DeadlinePassed(f"request {state.request_id} passed its deadline while running")
+                where = "while running" if state.first_token_s is not None else "before its first token"
+                raise DeadlinePassed(f"request {state.request_id} passed its deadline {where}")
     finally:
         if timer is not None:
             timer.cancel()

@@ -204,7 +204,8 @@ class Gateway:
         self.http: HttpServer | None = None
         if config.gateway.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
-            self.http = HttpServer(api.app, config.gateway.host, config.gateway.http_port, config.gateway.max_body_bytes)
+            self.http = HttpServer(api.app, config.gateway.host, config.gateway.http_port, config.gateway.max_body_bytes,
+                                   on_refused=lambda request_id, message: api.refused(request_id, 413, message))
         self._stopped = asyncio.Event()
 
     def _schedule_health_update(self) -> None:

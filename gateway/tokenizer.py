@@ -13,6 +13,7 @@ it stays on the event loop.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -59,6 +60,9 @@ class Tokenizer:
         self.chat_template = self._load_chat_template()
         self.special = self._special_tokens()
         self.add_bos = bool(self._config.get("add_bos_token", False))
+        decoder = _read_json(path).get("decoder") or {}
+        decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        self._byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
         self.vocab_size = int(self.model_config.get("vocab_size") or self._tok.get_vocab_size(with_added_tokens=True))
         self.warnings = self.check_special_tokens()
 
@@ -115,6 +119,19 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for, even where it is a part of a multi-byte character
+        (its decode alone would be U+FFFD): byte-level BPE vocabularies spell bytes with GPT-2's
+        printable characters, byte-fallback vocabularies as `<0xAB>`."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        if _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError(f"{self.model_dir}: the tokenizer has no chat template, so chat messages "
@@ -170,6 +187,15 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise TokenizerError(f"{path} is not valid JSON: {e}") from None
 
 
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, which byte-level BPE vocabularies use."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _TEMPLATES: dict[str, jinja2.Template] = {}
 
 

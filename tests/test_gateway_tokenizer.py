@@ -95,3 +95,15 @@ def test_missing_eos_is_refused_clearly(tmp_path, served_checkpoint):
     assert any("also an EOS token" in w for w in Tokenizer(tmp_path).warnings)
     with pytest.raises(TokenizerError, match="no chat template"):
         Tokenizer(tmp_path).render_chat([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("model", ["served", "default"])
+def test_token_bytes_join_into_the_texts_bytes(tokenizer, model):
+    tok = tokenizer if model == "served" else Tokenizer("models/default")
+    for text in ["héllo wörld 日本語 ☃", " plain ascii", "\u00e9\u0301"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == tok.decode(ids).encode()
+        # Some token stands for part of a character, which its own decode cannot show.
+        if model == "served" and text.startswith("h"):
+            assert any(tok.decode([i]) == "\ufffd" for i in ids)

@@ -187,7 +187,8 @@ def test_logprobs_equal_the_engines(client, engine, tokenizer):
         # Sampled, not greedy: the chosen token is at most as likely as the most likely one, and
         # at least as likely as the fifth when it is among them.
         assert entry.logprob <= tops[0] + 1e-6 and entry.logprob <= 0
-        assert entry.bytes == list(entry.token.encode())
+        # A whole character's token has its text's bytes; a part of one has its raw bytes.
+        assert entry.bytes == list(entry.token.encode()) or "\ufffd" in entry.token
 
 
 def test_stop_strings_and_echo(client, tokenizer):
@@ -358,3 +359,20 @@ def test_other_streams_keep_being_served_beside_bad_requests(base_url, engine, t
             assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     thread.join(60)
     assert result["ids"] == expected
+
+
+def test_logprob_bytes_rebuild_the_text_and_streamed_offsets_equal_whole(client):
+    # Special tokens (ids 0-2) are kept out, so the bytes of the tokens are exactly the text's.
+    no_specials = {str(t): -100 for t in (0, 1, 2)}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "héllo wörld 日本語"}],
+                                          max_tokens=24, temperature=0, logprobs=True, logit_bias=no_specials,
+                                          extra_body={"ignore_eos": True})
+    raw = b"".join(bytes(e.bytes) for e in chat.choices[0].logprobs.content)
+    assert raw.decode("utf-8", errors="replace") == chat.choices[0].message.content
+    fields = dict(model=MODEL, prompt="héllo wörld", max_tokens=24, temperature=0, logprobs=2, echo=False,
+                  logit_bias=no_specials, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**fields).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **fields)
+                if c.choices[0].logprobs is not None]
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens

@@ -185,7 +185,9 @@ def test_sigterm_drains_http_streams_and_refuses_new_ones_503(served_checkpoint)
     gateway = {"http_port": free_port(), "drain_grace_s": 30.0}
     with FakeCluster(served_checkpoint, step_ms=10, sections={"gateway": gateway}) as cluster, \
             httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=completion(max_tokens=150, stream=True)) as stream:
+        # The fake worker's token is a lone byte: only its ids stream before the end.
+        body = completion(max_tokens=150, stream=True, return_token_ids=True)
+        with http.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
             cluster.procs["gateway"].send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
@@ -197,3 +199,93 @@ def test_sigterm_drains_http_streams_and_refuses_new_ones_503(served_checkpoint)
             lines = [line for line in stream.iter_lines() if line]
         assert lines[-1] == "data: [DONE]" and len(lines) == 151  # 150 tokens, then [DONE]
         assert cluster.procs["gateway"].wait(timeout=30) == 0
+
+
+def test_conversion_edge_cases_are_400_not_500(http):
+    for key in ("²", "١٢"):
+        r = http.post("/v1/completions", json=completion(logit_bias={key: 1}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    r = http.post("/v1/completions", json=completion(logit_bias={"12": 1, "0012": 2}))
+    assert r.status_code == 400 and "twice" in r.json()["error"]["message"]
+    for body in (b'{"model": "llama", "prompt": "\\ud800", "max_tokens": 2}',
+                 b'{"model": "llama", "messages": [{"role": "user", "content": "a\\udfff"}], "max_tokens": 2}',
+                 b'{"model": "llama", "prompt": "x", "stop": ["\\ud800"], "max_tokens": 2}'):
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_admission_refusals_name_their_field_as_param(http):
+    for fields, param in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                          (dict(min_tokens=10), "min_tokens")):
+        r = http.post("/v1/completions", json=completion(**fields))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_more_sequences_than_the_queue_holds_is_400_not_429(served_checkpoint):
+    gateway = {"http_port": free_port(), "max_prompts": 8}
+    with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": gateway,
+                                                             "queues": {"max_queued_requests": 8}}) as cluster, \
+            httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as http:
+        r = http.post("/v1/completions", json=completion(prompt=["a", "b", "c"], n=3))
+        assert r.status_code == 400 and "max_queued_requests" in r.json()["error"]["message"]
+        assert cluster.status().num_queued == 0
+        assert http.post("/v1/completions", json=completion(prompt=["a", "b"], n=4)).status_code == 200
+
+
+def test_http_layer_refusals_are_logged_and_counted(http, cluster):
+    from gateway_fake_cluster import metric
+    before = metric(cluster.metrics(), "inference_request_rejections_total", reason="not_found")
+    for request_id, path, body in (("log-404", "/v1/completions", completion(model="other")),
+                                   ("log-400", "/v1/chat/completions", chat(frobnicate=1)),
+                                   ("log-413", "/v1/completions", completion(prompt="x" * MAX_BODY))):
+        assert http.post(path, json=body, headers={"x-request-id": request_id}).status_code >= 400
+    deadline = time.monotonic() + 5
+    while True:
+        records = {r["request_id"]: r for r in cluster.request_records()}
+        if {"log-404", "log-400", "log-413"} <= set(records):
+            break
+        assert time.monotonic() < deadline, sorted(records)
+        time.sleep(0.05)
+    assert records["log-404"]["status_code"] == "NOT_FOUND"
+    assert records["log-400"]["status_code"] == "INVALID_ARGUMENT" and "frobnicate" in records["log-400"]["error"]
+    assert records["log-413"]["status_code"] == "RESOURCE_EXHAUSTED"
+    after = metric(cluster.metrics(), "inference_request_rejections_total", reason="not_found")
+    assert after == before + 1
+
+
+def test_n_choices_answer_under_the_clients_request_id(http):
+    r = http.post("/v1/completions", json=completion(n=2), headers={"x-request-id": "both-choices"})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "both-choices" == r.json()["id"]
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    long_id = "i" * 128
+    r = http.post("/v1/completions", json=completion(n=2), headers={"x-request-id": long_id})
+    assert r.status_code == 200 and r.json()["id"] == long_id
+
+
+def test_a_drain_past_its_grace_logs_unfinished_http_requests_cancelled(served_checkpoint):
+    gateway = {"http_port": free_port(), "drain_grace_s": 0.5}
+    with FakeCluster(served_checkpoint, step_ms=20, sections={"gateway": gateway}) as cluster:
+        outcome: dict = {}
+
+        def long_one():
+            try:
+                outcome["status"] = httpx.post(f"http://127.0.0.1:{cluster.http_port}/v1/completions",
+                                               json=completion(max_tokens=1000), headers={"x-request-id": "cut-off"},
+                                               timeout=30).status_code
+            except httpx.HTTPError as e:
+                outcome["status"] = type(e).__name__
+
+        thread = threading.Thread(target=long_one)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while cluster.status().workers[0].num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        cluster.procs["gateway"].send_signal(signal.SIGTERM)
+        thread.join(30)
+        assert cluster.procs["gateway"].wait(timeout=30) == 0
+        [record] = [r for r in cluster.request_records() if r["request_id"] == "cut-off"]
+        assert record["status_code"] == "CANCELLED" and record["completion_tokens"] < 1000
+        assert outcome["status"] != 200
