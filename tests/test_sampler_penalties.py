@@ -219,7 +219,8 @@ def test_top_logprobs_equal_the_raw_log_softmax_topk_sorted_and_leave_the_chosen
         assert values.tolist() == sorted(values.tolist(), reverse=True)
     # The chosen logprob is the raw one at the chosen token, bias and penalties notwithstanding...
     assert out.token_ids[1] == 0
-    assert out.logprobs == raw[torch.arange(5), torch.tensor(out.token_ids)].tolist()
+    assert out.logprobs[:4] == raw[torch.arange(4), torch.tensor(out.token_ids[:4])].tolist()
+    assert out.logprobs[4] is None  # the row did not ask: nothing was computed for it
     # ...and the same as without top_logprobs.
     plain = [SamplingParams(**{**p.to_dict(), "top_logprobs": 0}) for p in params]
     again = Sampler(seed=0)(logits, make_batch(plain, outputs=outputs))
@@ -282,15 +283,72 @@ def test_seeded_rows_with_the_new_features_reproduce_and_depend_on_the_seed():
     greedy(logit_bias={1: 0.1}), greedy(presence_penalty=0.1), greedy(frequency_penalty=-0.1),
     greedy(min_tokens=5, stop_token_ids=[3]), greedy(logprobs=True), greedy(logprobs=True, top_logprobs=1),
 ], ids=["logit_bias", "presence", "frequency", "min_tokens", "logprobs", "top_logprobs"])
-def test_the_greedy_fast_path_is_taken_only_when_no_row_uses_a_feature(params):
+def test_rows_that_need_only_an_argmax_take_the_fast_path_even_beside_a_feature_row(params):
     sampler = Sampler(seed=0)
-    calls = []
-    sampler._argmax_rows = lambda logits: calls.append(1) or logits.argmax(dim=-1)
+    calls = []  # rows per kernel call, and whether the kernel read the caller's logits in place
+
+    def argmax_rows(rows):
+        calls.append((rows.shape[0], rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()))
+        return rows.argmax(dim=-1)
+
+    sampler._argmax_rows = argmax_rows
     logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
     sampler(logits, make_batch([greedy(), greedy()], outputs=[[1], [2]], eos=[EOS]))
-    assert calls == [1]
-    sampler(logits, make_batch([greedy(), params], outputs=[[1], [2]], eos=[EOS]))
-    assert calls == [1]
-    # min_tokens already reached: nothing is banned, so the fast path is right again.
+    assert calls == [(2, True)]
+    calls.clear()
+    out = sampler(logits, make_batch([greedy(), params], outputs=[[1], [2]], eos=[EOS]))
+    # A greedy row that only asks for logprobs needs the raw argmax too; any other feature row is processed
+    # apart, and the plain row alone goes to the kernel, with no copy.
+    assert calls == ([(2, True)] if params.logprobs else [(1, True)])
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.logprobs is None if not params.logprobs else out.logprobs[0] is None
+    calls.clear()
+    # min_tokens already reached: nothing is banned, so both rows are plain.
     sampler(logits, make_batch([greedy(min_tokens=1), greedy()], outputs=[[1], [2]], eos=[EOS]))
-    assert calls == [1, 1]
+    assert calls == [(2, True)]
+
+
+# Every kind of row, plain greedy rows around and between them (so the plain rows come in several runs).
+EVERY_KIND = [
+    greedy(),
+    greedy(logit_bias={5: 3.0}),
+    greedy(),
+    greedy(),
+    SamplingParams(temperature=0.9, seed=3),
+    greedy(logprobs=True),
+    greedy(presence_penalty=1.0, frequency_penalty=0.5, logprobs=True, top_logprobs=3),
+    greedy(),
+    greedy(min_tokens=4, stop_token_ids=[7]),
+    SamplingParams(temperature=1.1, top_k=10, top_p=0.9, seed=4, logprobs=True),
+    greedy(repetition_penalty=1.3),
+    greedy(min_tokens=1),  # already past it: a plain row
+    SamplingParams(temperature=0.8, seed=9, logit_bias=[(2, -5.0), (9, 2.0)], min_tokens=3, logprobs=True,
+                   top_logprobs=2),
+    greedy(),
+]
+EVERY_KIND_OUTPUTS = [[1], [5], [], [3, 3], [2], [], [4, 4, 6], [1], [7], [], [9, 9], [8], [4], [0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-argmax"])
+def test_a_mixed_batch_gives_every_row_exactly_what_it_gets_alone(dtype, kernel):
+    logits = (torch.randn(len(EVERY_KIND), 24, generator=torch.Generator().manual_seed(12)) * 2).to(dtype)
+    original = logits.clone()
+    prompts = [[0, 1, 2, 7, 9]] * len(EVERY_KIND)
+
+    def sampler(seed):
+        s = Sampler(seed=seed)
+        if not kernel:
+            s._argmax_rows = None
+        return s
+
+    together = sampler(0)(logits, make_batch(EVERY_KIND, EVERY_KIND_OUTPUTS, prompts, eos=[EOS]))
+    assert torch.equal(logits, original)
+    for row, p in enumerate(EVERY_KIND):
+        alone = sampler(1)(logits[row:row + 1],
+                           make_batch([p], [EVERY_KIND_OUTPUTS[row]], [prompts[row]], [EOS]))
+        assert together.token_ids[row] == alone.token_ids[0], row
+        assert together.logprobs[row] == (alone.logprobs[0] if p.logprobs else None), row
+        assert together.top_logprobs[row] == (alone.top_logprobs[0] if p.top_logprobs else ()), row
+    plain = [row for row, p in enumerate(EVERY_KIND) if p == greedy() or p == greedy(min_tokens=1)]
+    assert [together.token_ids[row] for row in plain] == [int(logits[row].float().argmax()) for row in plain]

@@ -1,6 +1,8 @@
 """The scheduler in pure Python: budgets, chunking, preemption order, refusal, abort."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from shared.sampling_params import SamplingParams
@@ -14,9 +16,16 @@ def make(num_blocks=64, block_size=4, **config) -> Scheduler:
     return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
 
 
-def req(request_id, prompt_len, max_tokens=8, priority=0) -> Request:
-    return Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                   priority=priority)
+_prompt_starts = itertools.count(1000, 1000)
+
+
+def req(request_id, prompt_len, max_tokens=8, priority=0, prompt=None) -> Request:
+    """A request with a prompt of its own (no two share a block, so none waits for another's
+    prefill) unless `prompt` is given."""
+    if prompt is None:
+        start = next(_prompt_starts)
+        prompt = list(range(start, start + prompt_len))
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens), priority=priority)
 
 
 def step(s: Scheduler) -> dict[str, int]:
@@ -129,9 +138,9 @@ def test_abort_from_every_state_frees_blocks_and_is_idempotent(state):
 
 def test_prefix_hit_leaves_one_token_to_compute():
     s = make(block_size=4)
-    s.add(req("a", 8, max_tokens=1))
+    s.add(req("a", 8, max_tokens=1, prompt=range(1, 9)))
     step(s)
-    s.add(req("b", 8, max_tokens=1))  # same 8 tokens: both blocks cached
+    s.add(req("b", 8, max_tokens=1, prompt=range(1, 9)))  # same 8 tokens: both blocks cached
     assert step(s) == {"b": 4}  # the hit is capped so the last token is computed for its logits
     assert s.requests.get("b") is None  # finished after one token
 
@@ -145,7 +154,7 @@ def test_update_keeps_logprobs_and_top_logprobs_only_as_each_request_asked():
         s.add(Request(request_id, [1, 2, 3], params))
     out = s.schedule()
     top = ((9, -0.1), (4, -2.5))
-    # The runner computes logprobs for every row once any row asks; each request keeps only what it asked for.
+    # Whatever the runner hands back, each request keeps only what it asked for.
     updates = s.update(out.scheduled, [(9, -0.1, top)] * len(out.scheduled))
     got = {u.request.request_id: (u.request.output_logprobs, u.request.output_top_logprobs) for u in updates}
     assert got == {"none": ([], []), "chosen": ([-0.1], []), "top": ([-0.1], [top])}

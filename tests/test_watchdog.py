@@ -124,7 +124,9 @@ def _scheduler(num_blocks=64) -> Scheduler:
 
 
 def _req(request_id: str, priority: int = 0) -> Request:
-    return Request(request_id, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), priority=priority)
+    # A prompt of its own: identical prompts would wait on each other to share their blocks.
+    first = sum(map(ord, request_id)) % 50 + 1
+    return Request(request_id, [first, 2, 3, 4, 5], SamplingParams(max_tokens=8), priority=priority)
 
 
 def test_paused_admission_keeps_waiting_requests_waiting_but_lets_one_in_when_nothing_runs():

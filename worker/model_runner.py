@@ -33,8 +33,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _CPU_OOM_TEXT in str(error)
 
 
-# A sampled sequence's result: (token id, raw logprob, top logprobs); the last two are None when no
-# sequence of the step asked for them (then none were computed).
+# A sampled sequence's result: (token id, raw logprob, top logprobs); the last two are None when its
+# request did not ask for them (then none were computed for it).
 SampledToken = tuple[int, float | None, TopLogprobs | None]
 
 

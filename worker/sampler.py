@@ -72,8 +72,9 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: log-prob of the chosen token under the RAW distribution: log_softmax of the model's logits as
     # given, before logit bias, penalties, min_tokens and temperature (what the model thinks, not how we
-    # steered it; vLLM's default too). None when no row asked; when some row asked, every row gets a value.
-    logprobs: list[float] | None
+    # steered it; vLLM's default too). None when no row asked; when some row asked, one entry per row: the
+    # value for each row that asked (params.logprobs), None for the others (never computed for them).
+    logprobs: list[float | None] | None
     # Per row: its top_logprobs most likely tokens under the same raw distribution (top_logprobs()); () for
     # rows that asked for none. None when no row asked.
     top_logprobs: list[TopLogprobs] | None = None
@@ -187,79 +188,146 @@ class Sampler:
         """Next token of each row. Processing order, per row and only where the row asks: logit bias,
         repetition penalty, presence/frequency penalties, min_tokens' ban, then (sampled rows) temperature,
         top-k, top-p, min-p and the draw; greedy rows take the argmax of the processed logits. `logits` is
-        never modified: logprobs are read from it raw."""
+        never modified: logprobs are read from it raw.
+
+        Work is per row, not per batch: a row that needs nothing but a greedy argmax takes it on the raw
+        logits (our kernel on CPU float32, no copy) even when other rows of the batch use features; only the
+        rows that edit or sample their logits get the float32 copy, and only the rows that ask for logprobs
+        get a log_softmax. Each row's result is what it would be alone."""
         self._validate(logits, batch)
         params = batch.params
         num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=None)
 
-        # One pass over the Python params decides which work this step needs at all.
+        # One pass over the Python params decides which work this step needs at all, and for which rows.
         sampled_rows, repeated_rows, counted_rows, biased_rows, min_token_rows = [], [], [], [], []
-        want_logprobs = want_top = False
+        processed = []  # rows whose logits are edited or sampled (min_tokens' bans are added below)
+        logprob_rows = []
+        want_top = False
         for i, p in enumerate(params):
+            edited = False
             if not p.is_greedy:
                 sampled_rows.append(i)
+                edited = True
             if p.repetition_penalty != 1.0:
                 repeated_rows.append(i)
+                edited = True
             if p.presence_penalty or p.frequency_penalty:
                 counted_rows.append(i)
+                edited = True
             if p.logit_bias:
                 biased_rows.append(i)
+                edited = True
             if p.min_tokens:
                 min_token_rows.append(i)
-            want_logprobs |= p.logprobs
-            want_top |= p.top_logprobs > 0
+            if edited:
+                processed.append(i)
+            if p.logprobs:
+                logprob_rows.append(i)
+                want_top |= p.top_logprobs > 0
         if (counted_rows or min_token_rows) and batch.output_token_ids is None:
             raise ValueError("batch.output_token_ids is required: some row uses presence_penalty, "
                              "frequency_penalty or min_tokens")
         banned = self._banned_for_min_tokens(batch, min_token_rows)
+        if banned:
+            processed = sorted(set(processed).union(banned))
 
-        # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax). Taken only
-        # when no row asks for anything that changes the logits or reads them as probabilities.
-        if not (sampled_rows or repeated_rows or counted_rows or biased_rows or banned or want_logprobs):
-            if self._argmax_rows is not None and logits.dtype == torch.float32:
-                tokens = self._argmax_rows(logits)
+        if not processed:
+            # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax).
+            tokens = self._greedy(logits)  # [B]
+        elif len(processed) == num_rows:
+            # Copy once: the edits work in place and the caller's logits (needed raw for logprobs) stay intact.
+            x = logits.to(dtype=torch.float32, copy=True)  # [B, V]
+            tokens = self._process(x, batch, processed, sampled_rows, repeated_rows, counted_rows, biased_rows,
+                                   banned)  # [B]
+        else:
+            device = logits.device
+            processed_index = torch.tensor(processed, device=device)  # [P]
+            x = logits.index_select(0, processed_index).to(dtype=torch.float32)  # [P, V], a copy
+            is_processed = set(processed)
+            plain = [i for i in range(num_rows) if i not in is_processed]  # [G], G = B - P
+            tokens = torch.empty(num_rows, dtype=torch.long, device=device)  # [B]
+            tokens.index_copy_(0, processed_index, self._process(
+                x, batch, processed, sampled_rows, repeated_rows, counted_rows, biased_rows, banned))
+            tokens.index_copy_(0, torch.tensor(plain, device=device), self._greedy_rows(logits, plain))
+
+        logprobs = tops = None
+        if logprob_rows:
+            # Raw log_softmax of the rows that asked only; the others get None (and () for top_logprobs).
+            if len(logprob_rows) == num_rows:
+                raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+                chosen = tokens
             else:
-                tokens = logits.argmax(dim=-1)
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
+                index = torch.tensor(logprob_rows, device=logits.device)  # [L]
+                raw_logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [L, V]
+                chosen = tokens.index_select(0, index)  # [L]
+            values = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+            logprobs = [None] * num_rows
+            for j, i in enumerate(logprob_rows):
+                logprobs[i] = values[j]
+            if want_top:
+                tops = [()] * num_rows
+                for j, i in enumerate(logprob_rows):
+                    if params[i].top_logprobs:
+                        tops[i] = top_logprobs(raw_logprobs[j], params[i].top_logprobs)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=tops)
 
-        # Copy once: everything below works in place and the caller's logits (needed raw for logprobs) stay intact.
-        x = logits.to(dtype=torch.float32, copy=True)  # [B, V]
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax of each row of the raw logits [R, V] (any float dtype, never copied); token ids [R]."""
+        if self._argmax_rows is not None and logits.dtype == torch.float32:
+            return self._argmax_rows(logits)
+        return logits.argmax(dim=-1)
+
+    def _greedy_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """_greedy on the given rows (ascending) of logits [B, V] only; token ids [len(rows)]. Each run of
+        consecutive rows is a view, so the kernel reads them in place; torch's argmax gets one gathered copy."""
+        runs = []  # [start, stop) of consecutive rows
+        for i in rows:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        if len(runs) == 1:
+            return self._greedy(logits[runs[0][0]:runs[0][1]])
+        if self._argmax_rows is not None and logits.dtype == torch.float32:
+            return torch.cat([self._argmax_rows(logits[start:stop]) for start, stop in runs])
+        return logits.index_select(0, torch.tensor(rows, device=logits.device)).argmax(dim=-1)
+
+    def _process(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], sampled_rows: list[int],
+                 repeated_rows: list[int], counted_rows: list[int], biased_rows: list[int],
+                 banned: dict[int, list[int]]) -> torch.Tensor:
+        """Tokens [P] of the batch rows `rows` (ascending), whose logits x [P, V] (a float32 copy, modified in
+        place) are given in that order: edit them as their params ask, then take the argmax (greedy rows) or
+        draw (sampled rows). The other lists name batch rows, each a subset of `rows`."""
+        num_rows = len(rows)
+        # Position of each batch row in `logits`; the identity when every row of the batch is here.
+        local = (lambda i: i) if rows[-1] == num_rows - 1 else {row: j for j, row in enumerate(rows)}.__getitem__
+        params = [batch.params[i] for i in rows]
         if biased_rows:
-            apply_logit_bias(x, [p.logit_bias for p in params], rows=biased_rows)
+            apply_logit_bias(x, [p.logit_bias for p in params], rows=[local(i) for i in biased_rows])
         if repeated_rows:
-            apply_repetition_penalty(
-                x, batch.token_histories, [p.repetition_penalty for p in params], rows=repeated_rows
-            )
+            apply_repetition_penalty(x, [batch.token_histories[i] for i in rows],
+                                     [p.repetition_penalty for p in params], rows=[local(i) for i in repeated_rows])
         if counted_rows:
             apply_presence_frequency_penalties(
-                x, batch.output_token_ids, [p.presence_penalty for p in params],
-                [p.frequency_penalty for p in params], rows=counted_rows
+                x, [batch.output_token_ids[i] for i in rows], [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params], rows=[local(i) for i in counted_rows]
             )
         if banned:
             # Last of the edits, so no later addition can lift a banned token off -inf.
-            apply_min_tokens(x, [banned.get(i, ()) for i in range(num_rows)], rows=list(banned))
+            apply_min_tokens(x, [banned.get(i, ()) for i in rows], rows=[local(i) for i in banned])
 
-        sampled_params = [params[i] for i in sampled_rows]
+        sampled_params = [batch.params[i] for i in sampled_rows]
         sampled_generators = [batch.generators[i] for i in sampled_rows]
         if len(sampled_rows) == num_rows:
-            tokens = self._sample(x, sampled_params, sampled_generators)  # [B]
-        else:
-            tokens = x.argmax(dim=-1)  # [B]; final for greedy rows, overwritten below for sampled rows
-            if sampled_rows:
-                row_index = torch.tensor(sampled_rows, device=x.device)  # [S]
-                xs = x.index_select(0, row_index)  # [S, V]
-                tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators))
-
-        logprobs = tops = None
-        if want_logprobs:
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
-            logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-            if want_top:
-                tops = [top_logprobs(raw_logprobs[i], p.top_logprobs) if p.top_logprobs else ()
-                        for i, p in enumerate(params)]
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=tops)
+            return self._sample(x, sampled_params, sampled_generators)  # [P]
+        tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
+        if sampled_rows:
+            row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
+            xs = x.index_select(0, row_index)  # [S, V]
+            tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators))
+        return tokens
 
     @staticmethod
     def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:

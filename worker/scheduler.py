@@ -3,6 +3,17 @@
 Owns every request status change. There is no prefill or decode phase: each scheduled
 request gets the tokens that let its computed count catch up with its known tokens,
 within a per-step token budget; chunked prefill, decode and resume are the same loop.
+
+Prefix siblings share one prefill. A block enters the prefix cache only once it is computed,
+so requests with the same prompt (the API's n > 1, or a burst behind one long system prompt)
+admitted together would each compute it. So admission defers a queued request while another
+request scheduled in the same step is still to compute one of the full blocks they share
+(at least one whole block, within what the waiting one could take from the cache): it keeps
+its place and priority, the token budget goes on to the next requests, and it is admitted in
+the first step where every shared block is computed, then finds them in the prefix cache.
+The leader progresses every step it is scheduled, and one that is preempted, aborted or
+finished no longer defers anyone, so no request waits forever. Each request's block hashes
+are computed once, as far as a comparison needs them (`_BlockHashes`).
 """
 from __future__ import annotations
 
@@ -14,7 +25,7 @@ from typing import Sequence
 
 from shared.engine_config import EngineConfig
 from shared.sampling_params import TopLogprobs
-from worker.block_manager import BlockManager
+from worker.block_manager import BlockManager, hash_block
 from worker.request import Request, RequestStatus
 
 
@@ -53,7 +64,7 @@ class StepFailure:
 
 
 # What the runner returns per scheduled request: (token id, logprob, top logprobs) when the step reached
-# its last known token and sampled (logprob and top None when no row of the step asked for them), None for
+# its last known token and sampled (logprob and top None when the request did not ask for them), None for
 # a prompt chunk that did not, or a StepFailure.
 StepResult = tuple[int, float | None, TopLogprobs | None] | None | StepFailure
 
@@ -85,6 +96,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._watermark_blocks = int(config.admission_watermark * block_manager.num_blocks)
+        # Request id -> the chain hashes of its full blocks, as far as they were needed (prefix siblings).
+        self._block_hashes: dict[str, _BlockHashes] = {}
         self.num_preemptions = 0
         # Set by the worker loop while memory is HIGH or worse: waiting requests stay waiting,
         # except one when nothing runs (so the worker always makes progress).
@@ -148,8 +161,20 @@ class Scheduler:
         return SchedulerOutput(list(scheduled.values()), preempted)
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], max_running: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < max_running:
-            request = self.waiting[0]
+        # First block hash -> the requests of this step that still have a full block to compute:
+        # the leaders a queued request with the same prompt start waits for. Built only when needed.
+        leaders: dict[bytes, list[Request]] | None = None
+        position = 0  # deferred requests keep their place: admission goes on behind them
+        while position < len(self.waiting) and budget > 0 and len(self.running) < max_running:
+            request = self.waiting[position]
+            if self.blocks.enable_prefix_caching:
+                if leaders is None:
+                    leaders = {}
+                    for item in scheduled.values():
+                        self._add_leader(leaders, item.request)
+                if self._waits_for_leader(request, leaders):
+                    position += 1
+                    continue
             if not self.blocks.has_request(request.request_id):
                 # Leave at least one token to compute: its logits give the next token.
                 cached = self.blocks.allocate_prefix(request.request_id, request.token_ids, request.num_tokens - 1)
@@ -161,9 +186,45 @@ class Scheduler:
                 self.blocks.free(request.request_id)  # give back its prefix-cache hits
                 request.num_computed_tokens = 0
                 break
-            self._start(request, num_new, scheduled)
+            self._start(position, num_new, scheduled)
             budget -= num_new
+            if leaders is not None:
+                self._add_leader(leaders, request)
         return budget
+
+    # ---- prefix siblings (see the module docstring) -------------------------------------
+    def _hashes(self, request: Request) -> "_BlockHashes":
+        hashes = self._block_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self._block_hashes[request.request_id] = _BlockHashes(request.token_ids, self.blocks.block_size)
+        return hashes
+
+    def _add_leader(self, leaders: dict[bytes, list[Request]], request: Request) -> None:
+        """Index a request scheduled this step by its first block hash, if it still has a full block
+        of its known tokens to compute (this step or later)."""
+        block_size = self.blocks.block_size
+        if request.num_tokens // block_size > request.num_computed_tokens // block_size:
+            leaders.setdefault(self._hashes(request).get(0), []).append(request)
+
+    def _waits_for_leader(self, request: Request, leaders: dict[bytes, list[Request]]) -> bool:
+        """Whether a queued request should wait: a leader of this step has still to compute a full block
+        that the two share and that the request could take from the prefix cache once computed."""
+        if not leaders:
+            return False
+        block_size = self.blocks.block_size
+        # The blocks allocate_prefix may hand it: full blocks within all but its last token.
+        num_cacheable = (request.num_tokens - 1) // block_size
+        if num_cacheable == 0:
+            return False
+        hashes = self._hashes(request)
+        for leader in leaders.get(hashes.get(0), ()):
+            # The leader's first block not yet computed (so not cached by it). The hash chain makes a
+            # match there a match on every block before it, so this one block decides.
+            index = leader.num_computed_tokens // block_size
+            if index < num_cacheable and index < leader.num_tokens // block_size and (
+                    index == 0 or hashes.get(index) == self._hashes(leader).get(index)):
+                return True
+        return False
 
     def _try_allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
@@ -174,8 +235,8 @@ class Scheduler:
             return False
         return self.blocks.allocate_slots(request.request_id, total)
 
-    def _start(self, request: Request, num_new: int, scheduled: dict[str, ScheduledRequest]) -> None:
-        self.waiting.pop(0)
+    def _start(self, position: int, num_new: int, scheduled: dict[str, ScheduledRequest]) -> None:
+        request = self.waiting.pop(position)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_s is None:
             request.first_scheduled_s = time.monotonic()
@@ -256,6 +317,7 @@ class Scheduler:
         request.error = error
         self.blocks.free(request.request_id)
         del self.requests[request.request_id]
+        self._block_hashes.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
         """Abort from any state; unknown or already finished ids are a no-op."""
@@ -272,3 +334,23 @@ class Scheduler:
 def _waiting_key(request: Request) -> tuple[int, int, int]:
     # Preempted requests resume before anything new, then priority, then arrival.
     return (0 if request.status == RequestStatus.PREEMPTED else 1, *request.sort_key)
+
+
+class _BlockHashes:
+    """One request's chain of full-block hashes (the block manager's), computed lazily and once: the
+    tokens of a full block never change, so the hashes found so far stay valid as the request grows."""
+
+    __slots__ = ("_token_ids", "_block_size", "_hashes")
+
+    def __init__(self, token_ids: list[int], block_size: int):
+        self._token_ids = token_ids  # the request's own list (it only grows), read when a hash is needed
+        self._block_size = block_size
+        self._hashes: list[bytes] = []
+
+    def get(self, index: int) -> bytes:
+        """The hash of full block `index`; the caller checks the block is full."""
+        hashes, size = self._hashes, self._block_size
+        while len(hashes) <= index:
+            start = len(hashes) * size
+            hashes.append(hash_block(hashes[-1] if hashes else b"", self._token_ids[start:start + size]))
+        return hashes[index]
