@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster bench-quantization experiments gpu-check lock protos clean
+.PHONY: run test bench bench-cluster bench-http bench-quantization experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ bench: $(STAMP)
 # The cluster against the in-process engine, and priority queues against FIFO (~3.5 min).
 bench-cluster: $(STAMP)
 	$(PY) -m bench.cluster_vs_engine
+
+# The OpenAI HTTP API against gRPC (fake and real workers) and against llama-server (~7 min).
+bench-http: $(STAMP)
+	$(PY) -m bench.http_vs_grpc
 
 # Quantization and loading modes on models/default, then on bench-small (~5 + ~10 min).
 bench-quantization: $(STAMP)

@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -33,7 +32,7 @@ from typing import Callable
 from bench.cluster_process import ClusterProcess
 from bench.cluster_report import FOREIGN_WARN, print_report, representative, summarize_compare, summarize_priority
 from bench.contention import busy_other_processes, wait_for_idle
-from bench.cpu_share import cpu_accounting
+from bench.cpu_share import cpu_accounting, pinned_to
 from bench.engine_replay import replay
 from bench.load_generator import run_load
 from bench.load_stats import DEFAULT_BUCKET_BOUNDS, LoadResult
@@ -164,20 +163,8 @@ def one_worker_config(threads: int = 0):
     return load_config(None, {"num_workers": 1, "worker.num_threads": threads})
 
 
-@contextmanager
-def pinned(role: str):
-    """This thread (and threads it starts) on `role`'s cores for the block; the mask is restored after,
-    so the cluster processes started later inherit every core."""
-    cores = _core_plan.get(role)
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
+def pinned(role: str | None):
+    return pinned_to(_core_plan.get(role) if role else None)
 
 
 # ---- the phases ---------------------------------------------------------------------------------

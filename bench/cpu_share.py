@@ -9,6 +9,8 @@ cluster spends its cycles.
 
 from __future__ import annotations
 
+import os
+
 import time
 from contextlib import contextmanager
 from typing import Callable
@@ -41,3 +43,18 @@ def cpu_accounting(record: dict, cluster_cpu: Callable[[], dict[str, float]] | N
         cores = psutil.cpu_count() or 1
         record.update(wall_s=wall, client_cpu_s=own, cluster_cpu_s=cluster,
                       foreign_share=max(0.0, foreign) / (wall * cores) if wall > 0 else 0.0)
+
+
+@contextmanager
+def pinned_to(cores: list[int] | None):
+    """This thread (and threads it starts) on `cores` for the block (nothing when None or empty); the
+    mask is restored after, so processes started later inherit every core."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

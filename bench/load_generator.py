@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
 import grpc
 
-from bench.load_stats import DEFAULT_BUCKET_BOUNDS, LoadResult, RequestRecord
+from bench.load_stats import DEFAULT_BUCKET_BOUNDS, LoadResult, RequestRecord, report
 from bench.load_workload import LoadRequest, LoadSpec, make_load_workload, workload_totals
 from protos import inference_pb2, inference_pb2_grpc
 
@@ -189,12 +188,7 @@ def main(argv=None) -> int:
     print(f"workload: {spec.describe()}; {workload_totals(workload)}", file=sys.stderr)
     result = run_load(args.address, workload, concurrency=args.concurrency, label=args.address,
                       request_timeout_s=args.request_timeout, bucket_bounds=args.bucket_bounds)
-    print(result.format())
-    print(f"extra: {result.extra}; max send lag {result.max_send_lag_ms():.1f} ms")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"spec": spec.__dict__, **result.to_dict(with_records=True)}, indent=1))
-    return 1 if result.summary().completed < len(workload) else 0
+    return report(result, spec, len(workload), args.json)
 
 
 if __name__ == "__main__":

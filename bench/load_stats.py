@@ -183,3 +183,16 @@ def format_rows(title: str, rows: list[tuple[str, Summary]]) -> str:
     for row in table:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     return "\n".join(lines)
+
+
+def report(result: "LoadResult", spec, num_requests: int, json_path: str | None) -> int:
+    """A load generator's command-line ending: the table, the JSON when asked, and exit status 1
+    unless every request completed."""
+    import json
+    from pathlib import Path
+    print(result.format())
+    print(f"extra: {result.extra}; max send lag {result.max_send_lag_ms():.1f} ms")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"spec": spec.__dict__, **result.to_dict(with_records=True)}, indent=1))
+    return 1 if result.summary().completed < num_requests else 0

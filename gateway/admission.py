@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import grpc
 
+from gateway.constraints import ConstraintCompiler
 from gateway.dispatcher import Dispatcher
 from gateway.offload import RELEASE_MIN_CHARS, Offload, OffloadBusyError, should_offload
 from gateway.queues import QueueFullError
@@ -48,6 +49,7 @@ class Admission:
         self.dispatcher = dispatcher
         self.metrics = dispatcher.metrics
         self.offload = offload or Offload(config.gateway.tokenizer_threads)
+        self.constraints = ConstraintCompiler(config.model_dir, tokenizer.vocab_size, tokenizer.special.eos_ids)
         self.max_model_len = config.worker.max_model_len or int(
             tokenizer.model_config.get("max_position_embeddings", 2048))
         self.draining = False
@@ -92,9 +94,10 @@ class Admission:
             self.refuse(request_id, e.code, e.message)
         if self.dispatcher.requests.is_live(request_id):  # cheap to tell now; checked again at submit
             self.refuse_duplicate(request_id)
-        args = (request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens)
+        args = (request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens, self.constraints)
         try:
-            if should_offload(num_chars, len(request.messages)):
+            # A constraint is checked against the vocabulary (a lexer build): never on the loop.
+            if should_offload(num_chars, len(request.messages)) or request.sampling.HasField("structured_output"):
                 checked = await self.offload.run(validate, *args, release_memory=num_chars >= RELEASE_MIN_CHARS)
             else:
                 checked = validate(*args)

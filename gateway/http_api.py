@@ -244,7 +244,9 @@ class OpenAiApi:
                 # Tokens with no text yet (a character's first bytes) are worth a chunk only to a
                 # client that reads token ids or log-probabilities.
                 if added[0] or choice.finish_reason or (added[1] and builder.carries_tokens):
-                    yield builder.delta(choice, *added)
+                    chunk = builder.delta(choice, *added)
+                    if chunk is not None:
+                        yield chunk
                 if sequences.is_done:
                     break
                 index, events = await sequences.next()

@@ -85,8 +85,18 @@ class _InLoopServer(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app, host: str, port: int, max_body_bytes: int, on_refused=lambda request_id, message: None):
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         reuse_port=False)
+        # proto IPPROTO_TCP, not create_server's 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
+        # on sockets that say they are TCP, and with it on an event waits behind the headers for the
+        # client's delayed ACK (~40 ms to the first token on a kept-alive connection).
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+            self.sock.listen(1024)
+        except OSError:
+            self.sock.close()
+            raise
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(BodyLimit(app, max_body_bytes, on_refused), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -7,11 +7,13 @@ generation travels in the GenerateRequest and is validated by gateway/validation
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 import grpc
 
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Sampling
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Constrained, _Sampling
 from protos import inference_pb2
 from shared.config import GatewayConfig
 from shared.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
@@ -46,6 +48,7 @@ class Presentation:
     echo: bool
     logprobs: int | None  # alternatives per token when log-probabilities were asked for
     return_token_ids: bool
+    tool_calls: bool = False  # the output is a JSON list of calls, answered as message.tool_calls
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
@@ -55,6 +58,9 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
         raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which this server does not "
                          "compute; drop one of them", "echo")
     sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs")
+    constraint = _constraint(body)
+    if constraint is not None:
+        sampling.structured_output.CopyFrom(constraint)
     requests = []
     for prompt in prompts:
         request = inference_pb2.GenerateRequest(sampling=sampling, priority=body.priority,
@@ -83,6 +89,12 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     request = inference_pb2.GenerateRequest(
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs"), priority=body.priority,
         truncate_prompt_tokens=_truncate(body))
+    constraint, tool_calls = _constraint(body), _tool_constraint(body)
+    if constraint is not None and tool_calls is not None:
+        raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",
+                         "tool_choice")
+    if constraint or tool_calls:
+        request.sampling.structured_output.CopyFrom(constraint or tool_calls)
     for i, message in enumerate(body.messages):
         content = message.content
         if content is None:
@@ -92,7 +104,71 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
         # "developer" is the newer name OpenAI gives the system role.
         role = "system" if message.role == "developer" else message.role
         request.messages.add(role=role, content=content)
-    return request, _presentation(body, False, logprobs, limits)
+    presentation = _presentation(body, False, logprobs, limits)
+    if tool_calls is not None:
+        presentation = dataclasses.replace(presentation, tool_calls=True)
+    return request, presentation
+
+
+def _constraint(body: _Constrained) -> inference_pb2.StructuredOutput | None:
+    """response_format (OpenAI's) or structured_outputs (vLLM's), as the gateway's constraint."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise BadRequest("give response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None and fmt.type == "json_object":
+        return inference_pb2.StructuredOutput(json_object=True)
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise BadRequest("response_format json_schema needs json_schema.schema", "response_format.json_schema")
+        return inference_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+    if fmt is not None and fmt.json_schema is not None:
+        raise BadRequest(f"response_format type {fmt.type!r} takes no json_schema", "response_format.json_schema")
+    if so is None:
+        return None
+    given = [name for name in ("json_", "regex", "grammar", "choice") if getattr(so, name) is not None]
+    if len(given) != 1:
+        raise BadRequest("structured_outputs takes exactly one of json, regex, grammar or choice",
+                         "structured_outputs")
+    kind = given[0]
+    if kind == "json_":
+        schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+        return inference_pb2.StructuredOutput(json_schema=schema)
+    if kind == "choice":
+        return inference_pb2.StructuredOutput(choice=inference_pb2.Choices(choices=so.choice))
+    return inference_pb2.StructuredOutput(**{kind: getattr(so, kind)})
+
+
+def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOutput | None:
+    """The constraint that makes the output a list of calls to the request's tools, when its
+    tool_choice asks for calls; None when the tools only inform (or there are none)."""
+    if not body.tools:
+        if body.tool_choice not in (None, "none"):
+            raise BadRequest("tool_choice needs tools", "tool_choice")
+        return None
+    choice = body.tool_choice if body.tool_choice is not None else "auto"
+    if choice == "none":
+        return None
+    if choice == "auto":
+        raise BadRequest("tool_choice \"auto\" needs a model whose chat template renders tools and a parser of its "
+                         "tool-call format, which this server does not have; use \"required\" or name a function",
+                         "tool_choice")
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise BadRequest("tools name a function twice", "tools")
+    if choice == "required":
+        functions = [t.function for t in body.tools]
+    else:
+        functions = [t.function for t in body.tools if t.function.name == choice.function.name]
+        if not functions:
+            raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+    calls = [{"type": "object", "properties": {"name": {"const": f.name},
+                                               "arguments": f.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    single = choice != "required" or body.parallel_tool_calls is False
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if single:
+        schema["maxItems"] = 1
+    return inference_pb2.StructuredOutput(json_schema=json.dumps(schema))
 
 
 def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:

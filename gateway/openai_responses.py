@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from gateway.openai_requests import Presentation
@@ -128,9 +129,12 @@ class ResponseBuilder:
     def _choice(self, c: Choice) -> dict:
         p = self.presentation
         if self.chat:
-            out = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            calls = self._tool_calls(c)
+            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls is not None
+                       else {"role": "assistant", "content": c.text})
+            out = {"index": c.index, "message": message,
                    "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
-                   "finish_reason": c.finish_reason}
+                   "finish_reason": "tool_calls" if calls is not None else c.finish_reason}
         else:
             out = {"index": c.index, "text": c.prefix + c.text,
                    "logprobs": (completion_logprobs(c.logprobs, self.texts, len(c.prefix))
@@ -153,9 +157,24 @@ class ResponseBuilder:
                                 first_of=c) for c in choices]
         return []
 
-    def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str:
-        """One chunk for what a batch of events added to choice `c` (its finish reason when it ended)."""
+    def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
+        """One chunk for what a batch of events added to choice `c` (its finish reason when it ended);
+        None while a choice answered as tool calls is still being generated."""
         p = self.presentation
+        if self.chat and p.tool_calls:
+            if c.finish_reason is None:
+                return None  # the calls leave whole, once they parse
+            calls = self._tool_calls(c)
+            if calls is not None:
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            else:
+                delta = {"content": c.text}
+            entry = {"index": c.index, "delta": delta,
+                     "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
+                     "finish_reason": "tool_calls" if calls is not None else c.finish_reason}
+            if p.return_token_ids:
+                entry["token_ids"] = list(c.token_ids)
+            return self._chunk(entry, first_of=c)
         if self.chat:
             entry = {"index": c.index, "delta": {"content": text} if text or not c.finish_reason else {},
                      "logprobs": chat_logprobs(logprobs, self.texts) if p.logprobs is not None else None,
@@ -170,6 +189,22 @@ class ResponseBuilder:
         if p.return_token_ids:
             entry["token_ids"] = token_ids
         return self._chunk(entry, first_of=c)
+
+    def _tool_calls(self, c: Choice) -> list[dict] | None:
+        """A finished tool-call choice's calls in OpenAI's form; None when the answer is not tool
+        calls or its text did not become a whole list of calls (cut off by max_tokens)."""
+        if not (self.presentation.tool_calls and c.finish_reason == "stop"):
+            return None
+        try:
+            calls = json.loads(c.text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(calls, list) or not all(isinstance(x, dict) and {"name", "arguments"} <= set(x)
+                                                  for x in calls):
+            return None
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": x["name"], "arguments": json.dumps(x["arguments"], ensure_ascii=False)}}
+                for x in calls]
 
     def usage_chunk(self, choices: list[Choice]) -> str:
         return self._sse({"id": self.request_id, "object": self._chunk_object(), "created": self.created,

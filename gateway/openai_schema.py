@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class StreamOptions(_Request):
@@ -49,7 +49,32 @@ class _Sampling(_Request):
     timeout: float | None = Field(None, description="seconds; the request ends 504 past it, like a gRPC deadline")
 
 
-class CompletionRequest(_Sampling):
+class JsonSchemaFormat(_Request):
+    name: str
+    schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's body extension: exactly one of these."""
+    json_: Union[dict, str, None] = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = Field(None, description="a Lark grammar in llguidance's dialect")
+    choice: list[str] | None = None
+
+
+class _Constrained(_Sampling):
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class CompletionRequest(_Constrained):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = None
     logprobs: int | None = Field(None, description="alternatives per token, 0..5")
@@ -67,8 +92,32 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatCompletionRequest(_Constrained):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -139,9 +188,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.constraints import ConstraintCompiler, ConstraintError, constraint_size
 from gateway.tokenizer import Tokenizer, TokenizerError
 from protos import inference_pb2
 from shared.config import GatewayConfig
@@ -67,6 +68,12 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
     if len(request.sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise _invalid(f"{len(request.sampling.stop_token_ids)} stop_token_ids; the gateway takes at most "
                        f"{limits.max_stop_token_ids} (gateway.max_stop_token_ids)")
+    if request.sampling.HasField("structured_output"):
+        size = constraint_size(request.sampling.structured_output)
+        if size > limits.max_schema_bytes:
+            raise _invalid(f"structured_output is {size} characters; the gateway takes at most "
+                           f"{limits.max_schema_bytes} (gateway.max_schema_bytes)")
+        num_chars += size  # checking it costs about as much as tokenizing that much
     if len(request.sampling.logit_bias) > limits.max_logit_bias:
         raise _invalid(f"logit_bias has {len(request.sampling.logit_bias)} entries; the gateway takes at most "
                        f"{limits.max_logit_bias} (gateway.max_logit_bias)")
@@ -80,10 +87,18 @@ def check_request_id(request_id: str) -> None:
 
 
 def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
-             default_max_tokens: int) -> ValidatedRequest:
+             default_max_tokens: int, constraints: ConstraintCompiler | None = None) -> ValidatedRequest:
     prompt_ids, num_truncated = _prompt_ids(request, tokenizer, max_model_len)
     vocab = tokenizer.vocab_size
     params = _sampling(request.sampling, default_max_tokens, vocab)
+    if request.sampling.HasField("structured_output"):
+        if constraints is None:
+            raise _invalid("structured_output is not served by this gateway")
+        try:
+            grammar = constraints.grammar(request.sampling.structured_output)
+        except ConstraintError as e:
+            raise _invalid(str(e)) from None
+        params = dataclasses.replace(params, grammar=grammar)
     if not request.sampling.HasField("max_tokens"):
         # The default shrinks to fit the context; an explicit value never silently does.
         fitted = max(1, min(params.max_tokens, max_model_len - len(prompt_ids)))

@@ -50,6 +50,7 @@ class GatewayConfig:
     max_stop_chars: int = 256  # per stop string; a stream holds back at most this much text
     max_stop_token_ids: int = 256
     max_logit_bias: int = 1024  # logit_bias entries
+    max_schema_bytes: int = 64 << 10  # a structured-output constraint's text (schema, regex, grammar, choices)
     # Threads that tokenize large prompts and render chat templates off the event loop.
     tokenizer_threads: int = 2
     # A stream whose worker died waits this long (never past its deadline) for a live worker
@@ -71,7 +72,8 @@ class GatewayConfig:
         _check(0 <= self.http_port < 65536, "gateway.http_port", self.http_port, "in [0, 65535]")
         for name in ("max_body_bytes", "max_n", "max_prompts"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
-        for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars", "tokenizer_threads"):
+        for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars", "tokenizer_threads",
+                     "max_schema_bytes"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
         for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")

@@ -74,6 +74,9 @@ class SamplingParams:
     min_tokens: int = 0
     # How many most likely alternatives to report with each chosen token's logprob; needs logprobs=True.
     top_logprobs: int = 0  # [0, MAX_TOP_LOGPROBS]
+    # An llguidance grammar (JSON text) every sampled token must keep the output within; "" = none.
+    # The gateway builds it from the request's constraint and checks it against the tokenizer.
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         # frozen=True forbids normal assignment; object.__setattr__ stores the normalised values once, here.
@@ -148,6 +151,9 @@ class SamplingParams:
             # Alternatives without the chosen token's own logprob have nowhere to go in a response.
             raise ValueError(f"top_logprobs={top_logprobs} needs logprobs=True, got logprobs=False")
         put("top_logprobs", top_logprobs)
+
+        if not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be a str (an llguidance grammar), got {type(self.grammar).__name__}")
 
     @staticmethod
     def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ def sampling_to_wire(params: SamplingParams) -> worker_pb2.WireSampling:
         logprobs=params.logprobs, top_logprobs=params.top_logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         logit_bias=[worker_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
-        min_tokens=params.min_tokens)
+        min_tokens=params.min_tokens, grammar=params.grammar)
     if params.seed is not None:
         wire.seed = params.seed
     return wire
@@ -44,7 +44,8 @@ def sampling_from_wire(wire: worker_pb2.WireSampling) -> SamplingParams:
         stop_token_ids=tuple(wire.stop_token_ids), ignore_eos=wire.ignore_eos,
         logprobs=wire.logprobs, top_logprobs=wire.top_logprobs,
         presence_penalty=wire.presence_penalty, frequency_penalty=wire.frequency_penalty,
-        logit_bias=[(b.token_id, b.bias) for b in wire.logit_bias], min_tokens=wire.min_tokens)
+        logit_bias=[(b.token_id, b.bias) for b in wire.logit_bias], min_tokens=wire.min_tokens,
+        grammar=wire.grammar)
 
 
 def logprobs_to_wire(logprobs: Sequence[float], top_logprobs: Sequence[TopLogprobs] = ()

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from shared.config import build_section
 from shared.engine_config import EngineConfig
 from shared.sampling_params import SamplingParams
+from worker.constraints import ConstraintCompiler, GrammarError
 from worker.engine_builder import EngineParts, build_engine
 from worker.memory import KVUsage
 from worker.model_runner import OutOfMemory, SequenceStep
@@ -52,6 +53,7 @@ class Engine:
     def __init__(self, parts: EngineParts):
         self.config = parts.config
         self.model_dir = parts.model_dir
+        self._constraint_compiler: ConstraintCompiler | None = None
         self.model = parts.model
         self.model_config = parts.model.config
         self.device = parts.device
@@ -110,9 +112,21 @@ class Engine:
                                        f"max_tokens={params.max_tokens} output tokens")
         request = Request(request_id=request_id, prompt_token_ids=prompt, params=params, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, output_token_ids=outputs)
+        if params.grammar:
+            try:
+                request.constraint = self._constraints().constraint(params.grammar, outputs)
+            except GrammarError as e:
+                raise RequestRejectedError(f"request {request_id!r}: {e}") from None
         self.scheduler.add(request)
         if params.seed is not None:
             self._generators[request_id] = make_generator(params.seed, self.output_device)
+
+    def _constraints(self) -> ConstraintCompiler:
+        """Built on the first constrained request: an engine that never sees one loads no lexer."""
+        if self._constraint_compiler is None:
+            self._constraint_compiler = ConstraintCompiler(self.model_dir, self.model_config.vocab_size,
+                                                           self.model_config.eos_token_ids)
+        return self._constraint_compiler
 
     def abort(self, request_id: str) -> None:
         """Abort a request in any state now, freeing its blocks. Unknown ids are a no-op."""
@@ -156,6 +170,7 @@ class Engine:
             params=r.params,
             generator=generator,
             token_history=r.token_ids,
+            constraint=r.constraint,
             seed=token_seed(r.params.seed, r.num_output_tokens) if generator is not None and needs_sample else None,
             output_token_ids=r.output_token_ids,
             eos_token_ids=r.eos_token_ids,

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -62,6 +62,7 @@ class SequenceStep:
     # min_tokens compares with (the request's own list, not a copy: read, never kept).
     output_token_ids: Sequence[int] = ()
     eos_token_ids: Sequence[int] = ()  # banned, with stop_token_ids, while under min_tokens
+    constraint: Any = None  # structured output: the request's worker/constraints.Constraint
 
 
 class ModelRunner:
@@ -175,6 +176,8 @@ class ModelRunner:
             batch = SamplingBatch(params=[s.params for s in rows], generators=[s.generator for s in rows],
                                   token_histories=[s.token_history for s in rows],
                                   output_token_ids=[s.output_token_ids for s in rows],
+                                  constraints=([s.constraint for s in rows] if any(s.constraint is not None for s in rows)
+                                               else None),
                                   eos_token_ids=[s.eos_token_ids for s in rows])
             result = self.sampler(logits, batch)
         results: list[SampledToken | None] = [None] * len(seqs)

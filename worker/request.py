@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.sampling_params import SamplingParams, TopLogprobs
 
@@ -55,6 +56,9 @@ class Request:
     first_scheduled_s: float | None = None  # set by the scheduler when it first runs
     first_token_s: float | None = None  # set by the scheduler when the first token is sampled here
     peak_num_blocks: int = 0  # the most KV blocks it held at once
+    # Structured output: the matcher of its grammar (worker/constraints.Constraint), advanced with every
+    # token; None when unconstrained.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list so a step never concatenates. Output tokens given at
@@ -91,13 +95,26 @@ class Request:
                      ) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
 
     def stop_status(self) -> RequestStatus | None:
-        """The terminal status the last appended token calls for, if any."""
+        """The terminal status the last appended token calls for, if any. A constrained request
+        also ends `stop` where its grammar is complete, and `length` (with `error` saying why) where
+        it can go no further or max_tokens cuts it inside its structure."""
+        if self.constraint is not None:
+            if self.constraint.is_done:
+                return RequestStatus.FINISHED_STOPPED
+            if self.constraint.dead_end:
+                self.error = f"the output reached a dead end of its constraint: {self.constraint.dead_end}"
+                return RequestStatus.FINISHED_LENGTH
+            if self.num_output_tokens >= self.params.max_tokens:
+                self.error = "max_tokens ended the output inside the structure its constraint asks for"
+                return RequestStatus.FINISHED_LENGTH
         last = self.output_token_ids[-1]
         if last in self.params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

@@ -16,6 +16,7 @@ from worker.logits_processors import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
 )
+from worker.constraints import mask_rows
 from worker.model import cpu_kernels
 
 __all__ = [
@@ -65,6 +66,8 @@ class SamplingBatch:
     # The model's EOS ids per row, banned with the row's stop_token_ids while it is under min_tokens
     # (ignore_eos or not, as vLLM does). None: no EOS ids.
     eos_token_ids: list[Sequence[int]] | None = None
+    # Per row, the request's structured-output Constraint (worker/constraints.py) or None. None: no row has one.
+    constraints: list | None = None
 
 
 @dataclass
@@ -186,7 +189,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Next token of each row. Processing order, per row and only where the row asks: logit bias,
-        repetition penalty, presence/frequency penalties, min_tokens' ban, then (sampled rows) temperature,
+        repetition penalty, presence/frequency penalties, min_tokens' ban, the grammar's mask (structured
+        output), then (sampled rows) temperature,
         top-k, top-p, min-p and the draw; greedy rows take the argmax of the processed logits. `logits` is
         never modified: logprobs are read from it raw.
 
@@ -230,8 +234,9 @@ class Sampler:
             raise ValueError("batch.output_token_ids is required: some row uses presence_penalty, "
                              "frequency_penalty or min_tokens")
         banned = self._banned_for_min_tokens(batch, min_token_rows)
-        if banned:
-            processed = sorted(set(processed).union(banned))
+        constrained_rows = [i for i, c in enumerate(batch.constraints or ()) if c is not None]
+        if banned or constrained_rows:
+            processed = sorted(set(processed).union(banned, constrained_rows))
 
         if not processed:
             # Common greedy case: no copy, no float32 conversion (an upcast cannot change the argmax).
@@ -240,7 +245,7 @@ class Sampler:
             # Copy once: the edits work in place and the caller's logits (needed raw for logprobs) stay intact.
             x = logits.to(dtype=torch.float32, copy=True)  # [B, V]
             tokens = self._process(x, batch, processed, sampled_rows, repeated_rows, counted_rows, biased_rows,
-                                   banned)  # [B]
+                                   banned, constrained_rows)  # [B]
         else:
             device = logits.device
             processed_index = torch.tensor(processed, device=device)  # [P]
@@ -249,7 +254,7 @@ class Sampler:
             plain = [i for i in range(num_rows) if i not in is_processed]  # [G], G = B - P
             tokens = torch.empty(num_rows, dtype=torch.long, device=device)  # [B]
             tokens.index_copy_(0, processed_index, self._process(
-                x, batch, processed, sampled_rows, repeated_rows, counted_rows, biased_rows, banned))
+                x, batch, processed, sampled_rows, repeated_rows, counted_rows, biased_rows, banned, constrained_rows))
             tokens.index_copy_(0, torch.tensor(plain, device=device), self._greedy_rows(logits, plain))
 
         logprobs = tops = None
@@ -296,7 +301,7 @@ class Sampler:
 
     def _process(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], sampled_rows: list[int],
                  repeated_rows: list[int], counted_rows: list[int], biased_rows: list[int],
-                 banned: dict[int, list[int]]) -> torch.Tensor:
+                 banned: dict[int, list[int]], constrained_rows: list[int] = ()) -> torch.Tensor:
         """Tokens [P] of the batch rows `rows` (ascending), whose logits x [P, V] (a float32 copy, modified in
         place) are given in that order: edit them as their params ask, then take the argmax (greedy rows) or
         draw (sampled rows). The other lists name batch rows, each a subset of `rows`."""
@@ -317,6 +322,9 @@ class Sampler:
         if banned:
             # Last of the edits, so no later addition can lift a banned token off -inf.
             apply_min_tokens(x, [banned.get(i, ()) for i in rows], rows=[local(i) for i in banned])
+        if constrained_rows:
+            # The grammar's mask goes last too: what it forbids stays forbidden whatever else was added.
+            mask_rows(x, [local(i) for i in constrained_rows], [batch.constraints[i] for i in constrained_rows])
 
         sampled_params = [batch.params[i] for i in sampled_rows]
         sampled_generators = [batch.generators[i] for i in sampled_rows]

@@ -314,7 +314,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = status
-        request.error = error
+        if error is not None or status == RequestStatus.FINISHED_ERROR:
+            request.error = error  # else keep what stop_status said (a constraint's cut)
         self.blocks.free(request.request_id)
         del self.requests[request.request_id]
         self._block_hashes.pop(request.request_id, None)

@@ -1,0 +1,89 @@
+"""Structured output, the gateway's half: a request's constraint (JSON schema, any JSON object,
+regex, Lark grammar, choice) turned into the llguidance grammar the worker enforces, and checked
+against the served tokenizer before the request queues.
+
+llguidance (Rust, no Python dependencies, the engine vLLM and llama.cpp use) compiles JSON schemas,
+regexes and Lark grammars to one grammar format; its checker refuses what it cannot enforce (an
+unimplemented JSON Schema keyword, an unknown string format, a bad regex) with a message naming it,
+so nothing is silently ignored. The check builds the grammar's lexer against the real vocabulary,
+which is most of a compile; the worker compiles the same text again (cached by its hash) into the
+matcher it advances token by token.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+
+from protos import inference_pb2
+
+
+# JSON as json.dumps writes it: no free whitespace for a random model to wander in, keys in the
+# schema's `properties` order.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(ValueError):
+    """The constraint cannot be enforced; the message names the problem."""
+
+
+class ConstraintCompiler:
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...]):
+        self._path = str(Path(model_dir) / "tokenizer.json")
+        self._vocab_size = vocab_size
+        self._eos_ids = list(eos_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:  # built on first use: a gateway that never sees a constraint pays nothing
+            self._tokenizer = llguidance.LLTokenizer(self._path, n_vocab=self._vocab_size, eos_token=self._eos_ids)
+        return self._tokenizer
+
+    def grammar(self, constraint: inference_pb2.StructuredOutput) -> str:
+        """The llguidance grammar of `constraint`, checked; raises ConstraintError."""
+        grammar = grammar_of(constraint)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error or messages:
+            kind = constraint.WhichOneof("kind")
+            raise ConstraintError(f"structured_output.{kind} cannot be enforced: {'; '.join(messages)}")
+        return grammar
+
+
+def grammar_of(constraint: inference_pb2.StructuredOutput) -> str:
+    kind = constraint.WhichOneof("kind")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(constraint.json_schema)
+        except json.JSONDecodeError as e:
+            raise ConstraintError(f"structured_output.json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ConstraintError("structured_output.json_schema must be a JSON object (a schema)")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise ConstraintError(f"structured_output.json_schema: {e}") from None
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(constraint.grammar)
+    if kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not choices or any(c == "" for c in choices):
+            raise ConstraintError("structured_output.choice needs at least one choice, none of them empty")
+        # A Lark string literal takes JSON's escapes.
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    raise ConstraintError("structured_output is set but names no constraint")
+
+
+def constraint_size(constraint: inference_pb2.StructuredOutput) -> int:
+    """The characters a constraint's text holds: what checking and compiling it costs."""
+    kind = constraint.WhichOneof("kind")
+    if kind == "choice":
+        return sum(len(c) for c in constraint.choice.choices)
+    if kind in ("json_schema", "regex", "grammar"):
+        return len(getattr(constraint, kind))
+    return 0

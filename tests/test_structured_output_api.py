@@ -1,0 +1,148 @@
+"""Structured output through the real cluster: the `openai` client's response_format, vLLM's
+structured_outputs, tool calls (named and required, streamed and not), the gRPC StructuredOutput,
+bad constraints refused before they queue, and a constrained stream resumed on another worker
+after a kill -9 still valid."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from bench.cluster_process import free_port
+from cluster_harness import Cluster
+from protos import inference_pb2
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "llama"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def cluster(served_checkpoint):
+    with Cluster(served_checkpoint, num_workers=2, supervised=True,
+                 sections={"gateway": {"http_port": free_port()}}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def ask(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Who?"}], "max_tokens": 400,
+            "temperature": 1.0, **fields}
+
+
+def test_response_format_json_schema_and_json_object(client):
+    for seed in range(4):
+        r = client.chat.completions.create(**ask(seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}))
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = client.chat.completions.create(**ask(seed=9, response_format={"type": "json_object"}))
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # a random model may write a long object; it is never invalid, only unfinished
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_structured_outputs_regex_and_choice_streamed(client):
+    stream = client.completions.create(model=MODEL, prompt="Code:", max_tokens=30, temperature=1.0, seed=1,
+                                       stream=True, extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{4}"}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks)
+    assert len(text) == 8 and text[3] == "-" and text[:3].isupper() and text[4:].isdigit()
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=1.0, n=3, seed=2,
+                                  extra_body={"structured_outputs": {"choice": ["left", "right", "up"]}})
+    assert all(c.text in ("left", "right", "up") for c in r.choices)
+
+
+def test_named_and_required_tool_calls(client):
+    named = client.chat.completions.create(**ask(seed=3, tools=[WEATHER, CLOCK], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}))
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    required = client.chat.completions.create(**ask(seed=4, tools=[WEATHER, CLOCK], tool_choice="required"))
+    calls = required.choices[0].message.tool_calls
+    assert required.choices[0].finish_reason == "tool_calls" and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(client.chat.completions.create(**ask(seed=3, stream=True, tools=[WEATHER, CLOCK], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})))
+    streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in streamed] == ["get_weather"]
+    assert streamed[0].function.arguments == call_arguments(named)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def call_arguments(response) -> str:
+    return response.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_bad_constraints_are_refused_before_queueing(client, cluster):
+    for fields, named in ((dict(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}), "uniqueItems"),
+            (dict(extra_body={"structured_outputs": {"regex": "(unclosed"}}), "unclosed"),
+            (dict(extra_body={"structured_outputs": {"grammar": "start: nothing"}}), "nothing")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**ask(**fields))
+        assert named in e.value.message
+    request = inference_pb2.GenerateRequest(prompt="x", sampling=inference_pb2.SamplingOptions(
+        max_tokens=4, structured_output=inference_pb2.StructuredOutput(json_schema='{"not": {}}')))
+    with pytest.raises(grpc.RpcError) as e:
+        list(cluster.stub.Generate(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not" in e.value.details()
+
+
+def test_grpc_constrained_stream_survives_a_worker_kill(cluster):
+    long_text = {"type": "object", "properties": {"text": {"type": "string", "minLength": 300, "maxLength": 320}},
+                 "required": ["text"], "additionalProperties": False}
+    request = inference_pb2.GenerateRequest(prompt="Write:", sampling=inference_pb2.SamplingOptions(
+        max_tokens=600, temperature=1.0, seed=11,
+        structured_output=inference_pb2.StructuredOutput(json_schema=json.dumps(long_text))))
+    result: dict = {}
+
+    def run():
+        text, last = "", None
+        for response in cluster.stub.Generate(request, timeout=120):
+            text += response.text
+            last = response
+            result.setdefault("worker", response.worker_id)
+        result.update(text=text, last=last)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "worker" not in result or not result["worker"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)  # some tokens in
+    for pid in cluster.model_pids(result["worker"]):
+        os.kill(pid, signal.SIGKILL)
+    thread.join(120)
+    last = result["last"]
+    assert last.finish_reason == inference_pb2.FINISH_REASON_STOP, last
+    jsonschema.validate(json.loads(result["text"]), long_text)
