@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster bench-http bench-quantization experiments gpu-check lock protos clean
+.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench-cluster: $(STAMP)
 # The OpenAI HTTP API against gRPC (fake and real workers) and against llama-server (~7 min).
 bench-http: $(STAMP)
 	$(PY) -m bench.http_vs_grpc
+
+# Structured output's cost: W1 with a quarter of it constrained, masks at 32 rows, compile times (~2 min).
+bench-structured: $(STAMP)
+	$(PY) -m bench.structured_output
 
 # Quantization and loading modes on models/default, then on bench-small (~5 + ~10 min).
 bench-quantization: $(STAMP)

@@ -145,3 +145,19 @@ def test_tokens_that_do_not_fit_the_grammar_are_refused_at_admission(engine, com
     grammar = compiler.grammar(pb.StructuredOutput(regex="[0-9]+"))
     with pytest.raises(RequestRejectedError):
         engine.add_request("misfit", tokenizer.encode("x"), params(grammar), output_token_ids=tokenizer.encode("abc"))
+
+
+def test_apply_bitmask_forbids_exactly_the_unset_bits_of_the_chosen_rows():
+    import torch
+    from worker.constraints import apply_bitmask
+    gen = torch.Generator().manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word's spare bits are ignored
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(4, vocab, generator=gen)
+    masked = logits.clone()
+    apply_bitmask(masked, [3, 1], bitmask)
+    for row, mask_row in ((3, 0), (1, 1)):
+        for t in range(vocab):
+            allowed = (int(bitmask[mask_row, t // 32]) >> (t % 32)) & 1
+            assert masked[row, t] == (logits[row, t] if allowed else float("-inf"))
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])

@@ -7,7 +7,7 @@ it advances with every token the request takes (the scheduler calls `advance`), 
 request keeps its tokens and so its matcher (recompute replays nothing), and a request resumed
 from another worker's tokens replays them into a fresh matcher at admission. The masks of a step
 are filled together (llguidance's executor, on its own threads, outside the GIL) and applied in
-place, one bitmask row per constrained row: an allowed token's logit is untouched, every other is
+place (unpacked with numpy), one bitmask row per constrained row: an allowed token's logit is untouched, every other is
 -inf, EOS included unless the grammar accepts here.
 """
 from __future__ import annotations
@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Sequence
 
 import llguidance
+import numpy as np
 import torch
 
 with warnings.catch_warnings():
-    # llguidance's mask kernel is a torch.jit.script function, which torch now marks deprecated.
+    # llguidance.torch's import touches torch.jit, which torch now marks deprecated.
     warnings.simplefilter("ignore", DeprecationWarning)
     import llguidance.torch as llg_torch
 
@@ -96,15 +97,32 @@ _executor: llguidance.LLExecutor | None = None
 
 
 def mask_rows(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence[Constraint]) -> None:
-    """Set to -inf, in place, every logit of `rows` [B, V] that its row's Constraint does not allow next."""
+    """Set to -inf, in place, every logit of `rows` of logits [B, V] (float32) that its row's
+    Constraint does not allow next."""
+    if rows:
+        apply_bitmask(logits, rows, fill_bitmask(constraints, logits.shape[1]))
+
+
+def fill_bitmask(constraints: Sequence[Constraint], vocab_size: int) -> torch.Tensor:
+    """[R, ceil(V / 32)] int32, bit t of row i set where constraints[i] allows token t next."""
     global _executor
-    if not rows:
-        return
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    bitmask = llg_torch.allocate_token_bitmask(len(rows), logits.shape[1])  # [R, ceil(V / 32)] int32
+    bitmask = llg_torch.allocate_token_bitmask(len(constraints), vocab_size)
     llg_torch.fill_next_token_bitmask_par(_executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask)
-    index = torch.tensor(list(rows), device=logits.device)
-    selected = logits.index_select(0, index)  # [R, V]
-    llg_torch.apply_token_bitmask_inplace(selected, bitmask.to(logits.device))
-    logits.index_copy_(0, index, selected)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """-inf, in place, where row rows[i] of logits is not allowed by bitmask row i. Unpacked with numpy
+    rather than llguidance's own kernel, which torch.compile builds on its first call (seconds, during
+    which every request of the batch would wait)."""
+    num_rows, vocab = len(rows), logits.shape[1]
+    # The complement's bits are the forbidden tokens, and numpy's 0/1 bytes read as bools without a copy.
+    bits = np.unpackbits(np.invert(bitmask.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :vocab]  # [R, V]
+    forbidden = torch.from_numpy(bits.view(np.bool_)).to(logits.device)  # [R, V]
+    if num_rows == logits.shape[0] and list(rows) == list(range(num_rows)):
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        index = torch.tensor(list(rows), device=logits.device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
