@@ -122,6 +122,7 @@ class Admission:
         state = RequestState(request_id=request_id, internal_id=self.dispatcher.requests.new_id(),
                              prompt_ids=checked.prompt_ids, params=params or checked.params,
                              priority=checked.priority, tokenizer=self.tokenizer, arrival_s=arrival_s,
+                             session_id=checked.session_id if gateway.sticky_sessions else "",
                              deadline_s=arrival_s + min(limits) if limits else None,
                              stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3)
         try:

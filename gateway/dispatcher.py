@@ -2,8 +2,9 @@
 
 It owns the queue, the table of live requests and the ZeroMQ socket; requests are known here
 and on the wire by their internal ids only (gateway/request_table.py). Batches come from one
-length bucket, go to the worker with the most room by what its heartbeats report, and never
-exceed what that worker said it can take. A worker that dies (silent heartbeats, or a new
+length bucket, go to the worker with the most room by what its heartbeats report (or, for a
+request of a known session, to the worker that served the session last, while it is alive and has
+room: its prefix cache holds the conversation), and never exceed what that worker said it can take. A worker that dies (silent heartbeats, or a new
 incarnation) has its requests requeued at the front and resumed elsewhere from the tokens
 already streamed; with no live worker left they wait up to `gateway.resume_grace_s` (never past
 their deadlines) for one to come back, then end UNAVAILABLE.
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import grpc
@@ -32,6 +34,7 @@ from shared.wire import logprobs_from_wire, sampling_to_wire
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.05
 LOOP_LAG_INTERVAL_S = 0.02
+MAX_SESSIONS = 1 << 16  # sessions remembered (least recently routed forgotten first)
 
 
 class Dispatcher:
@@ -56,6 +59,7 @@ class Dispatcher:
         self._on_workers_changed = on_workers_changed
         self._liveness: dict[str, tuple[bool, bool]] = {}
         self._probes: dict[int, asyncio.Future] = {}
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> the worker that served it last
         # Label lookups cost more than the observation itself: resolve each bucket's once.
         self._itl_by_bucket = [self.metrics.itl.labels(str(b)) for b in range(len(q.bucket_bounds) + 1)]
         self._probe_ids = 0
@@ -195,12 +199,19 @@ class Dispatcher:
         while len(self.queue):
             now = time.monotonic()
             self._expire(now)
-            worker = self.registry.pick(now, 1)
+            head = self.queue.head(now)
+            worker = self._session_worker(head.payload, head.num_tokens, now) if head is not None else None
+            sticky = worker is not None
+            worker = worker or self.registry.pick(now, 1)
             if worker is None:
                 return
             budget = {"blocks": worker.free_blocks()}
 
             def fits(item: QueuedItem, worker=worker, budget=budget) -> bool:
+                # A request whose session lives on another worker with room waits for that worker's turn.
+                home = self._session_worker(item.payload, item.num_tokens, now)
+                if home is not None and home is not worker:
+                    return False
                 need = worker.blocks_for(item.num_tokens + 1)
                 if need > budget["blocks"]:
                     return False
@@ -214,7 +225,27 @@ class Dispatcher:
             batch = self.queue.pop_batch(now, min(max_batch, worker.free_slots(), fair_share), fits)
             if not batch:
                 return
+            self.metrics.routing.labels("sticky" if sticky else "spread").inc()
             await self._send_batch(worker, [item.payload for item in batch], now)
+            for item in batch:
+                self._remember_session(item.payload.session_id, worker.worker_id)
+
+    def _session_worker(self, state: RequestState, num_tokens: int, now: float) -> WorkerHandle | None:
+        """The worker that served `state`'s session last, if it is alive and has room for it now."""
+        worker_id = self._sessions.get(state.session_id) if state.session_id else None
+        worker = self.registry.workers.get(worker_id) if worker_id is not None else None
+        if (worker is None or not self.registry.is_alive(worker, now) or not worker.can_take()
+                or worker.free_slots() <= 0 or worker.free_blocks() < worker.blocks_for(num_tokens + 1)):
+            return None
+        return worker
+
+    def _remember_session(self, session_id: str, worker_id: str) -> None:
+        if not session_id:
+            return
+        self._sessions[session_id] = worker_id
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
 
     async def _send_batch(self, worker: WorkerHandle, states: list[RequestState], now: float) -> None:
         wire = []

@@ -51,6 +51,9 @@ class Metrics:
         self.oom_recoveries = Counter("inference_oom_recoveries", "Out-of-memory errors survived in a forward.", w,
                                       registry=r)
         self.worker_restarts = Counter("inference_worker_restarts", "New incarnations of a worker.", w, registry=r)
+        self.routing = Counter("inference_routing_decisions", "Batches dispatched, by how their worker was chosen: "
+                               "sticky (the head request's session's worker) or spread (the most room).",
+                               ["outcome"], registry=r)
         self.prompt_tokens = Counter("inference_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("inference_generation_tokens", "Generated tokens streamed.", registry=r)
         self.request_success = Counter("inference_request_success", "Finished requests by finish reason.",

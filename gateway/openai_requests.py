@@ -64,7 +64,7 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
     requests = []
     for prompt in prompts:
         request = inference_pb2.GenerateRequest(sampling=sampling, priority=body.priority,
-                                                truncate_prompt_tokens=_truncate(body))
+                                                truncate_prompt_tokens=_truncate(body), session_id=body.user or "")
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -88,7 +88,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = inference_pb2.GenerateRequest(
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs"), priority=body.priority,
-        truncate_prompt_tokens=_truncate(body))
+        truncate_prompt_tokens=_truncate(body), session_id=body.user or "")
     constraint, tool_calls = _constraint(body), _tool_constraint(body)
     if constraint is not None and tool_calls is not None:
         raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",

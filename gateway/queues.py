@@ -112,6 +112,12 @@ class LengthBucketedQueue(Generic[T]):
     def next_expiry(self) -> float:
         return min((item.expires_at() for _, item in self._by_id.values()), default=math.inf)
 
+    def head(self, now_s: float) -> QueuedItem[T] | None:
+        """The item pop_batch would take first, left in the queue."""
+        if not self._by_id:
+            return None
+        return min((item for b in self._buckets for item in b), key=lambda item: self._key(item, now_s))
+
     def pop_batch(self, now_s: float, max_items: int, fits: Callable[[QueuedItem[T]], bool] = lambda _: True
                   ) -> list[QueuedItem[T]]:
         """Up to max_items from the one bucket whose head comes first overall, in order.

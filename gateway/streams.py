@@ -44,6 +44,7 @@ class RequestState:
     priority: int
     tokenizer: Tokenizer
     deadline_s: float | None = None  # monotonic; the client's deadline
+    session_id: str = ""  # requests of one session go to one worker while it has room
     arrival_s: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     worker_id: str | None = None

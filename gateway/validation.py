@@ -20,6 +20,7 @@ from shared.config import GatewayConfig
 from shared.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_REQUEST_ID_LEN = 128
+MAX_SESSION_ID_LEN = 256
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/@+=-]+$")
 
 
@@ -40,6 +41,7 @@ class ValidatedRequest:
     params: SamplingParams
     priority: int
     num_truncated_tokens: int
+    session_id: str = ""
 
 
 def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -> int:
@@ -57,6 +59,8 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
         if num_chars > limits.max_prompt_chars:
             raise _invalid(f"the chat messages are {num_chars} characters together; the gateway takes at most "
                            f"{limits.max_prompt_chars} (gateway.max_prompt_chars)")
+    if len(request.session_id) > MAX_SESSION_ID_LEN:
+        raise _invalid(f"session_id is {len(request.session_id)} characters; at most {MAX_SESSION_ID_LEN}")
     stops = request.sampling.stop
     if len(stops) > limits.max_stop_strings:
         raise _invalid(f"{len(stops)} stop strings; the gateway takes at most {limits.max_stop_strings} "
@@ -112,7 +116,7 @@ def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_m
         raise _invalid(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                        f"{len(prompt_ids) + params.max_tokens} exceeds the model's context of {max_model_len} "
                        f"tokens")
-    return ValidatedRequest(prompt_ids, params, request.priority, num_truncated)
+    return ValidatedRequest(prompt_ids, params, request.priority, num_truncated, request.session_id)
 
 
 def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int

@@ -92,7 +92,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "priority", "request_id", "truncate_prompt_tokens")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "priority", "request_id", "truncate_prompt_tokens", "session_id")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -107,7 +108,8 @@ class GenerateRequest(_message.Message):
     priority: int
     request_id: str
     truncate_prompt_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

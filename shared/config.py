@@ -60,6 +60,10 @@ class GatewayConfig:
     # per quick crash up to worker.max_restart_backoff_s. A gateway loads no model, so it restarts
     # sooner than a worker: clients are refused for as long as it is down.
     restart_backoff_s: float = 0.1
+    # Requests that name a session (GenerateRequest.session_id, the OpenAI API's `user`) go to the
+    # worker that served the session last while it is alive and has room: its prefix cache holds
+    # the conversation so far.
+    sticky_sessions: bool = True
     # The OpenAI-compatible HTTP API (gateway/http_api.py) on `host`; 0 turns it off.
     http_port: int = 8080
     served_model_name: str = ""  # the `model` clients name; "" = the model folder's name

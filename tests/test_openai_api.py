@@ -376,3 +376,32 @@ def test_logprob_bytes_rebuild_the_text_and_streamed_offsets_equal_whole(client)
                 if c.choices[0].logprobs is not None]
     assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
     assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+
+
+def test_turns_of_one_session_find_the_previous_turns_cached_on_their_worker(base_url, cluster, tokenizer):
+    """Six conversations of three turns at once over two workers: with `user` as the session, each
+    turn goes to the worker of the turn before and finds that turn's prompt in its prefix cache."""
+    rng = random.Random(7)
+
+    async def conversation(client, c: int) -> list[tuple[str, int, int]]:
+        history = [rng.randrange(3, 320) for _ in range(40 + 10 * c)]
+        turns = []
+        for _ in range(3):
+            raw = await client.completions.with_raw_response.create(
+                model=MODEL, prompt=history, max_tokens=12, temperature=0, user=f"conversation-{c}",
+                extra_body={"return_token_ids": True, "ignore_eos": True})
+            r = raw.parse()
+            turns.append((raw.headers["x-worker-id"], len(history), r.usage.prompt_tokens_details.cached_tokens))
+            history = history + r.choices[0].token_ids + [rng.randrange(3, 320) for _ in range(20)]
+        return turns
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(conversation(client, c) for c in range(6)))
+
+    conversations = asyncio.run(run())
+    for turns in conversations:
+        for (worker, prompt_len, _), (next_worker, _, cached) in zip(turns, turns[1:]):
+            assert next_worker == worker
+            assert cached >= prompt_len // 16 * 16  # every full block of the previous turn's prompt
+    assert len({turns[0][0] for turns in conversations}) == 2  # the sessions themselves spread
