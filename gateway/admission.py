@@ -114,15 +114,16 @@ class Admission:
         return checked
 
     def enqueue(self, checked: ValidatedRequest, request_id: str, arrival_s: float, timeout_s: float | None,
-                params: SamplingParams | None = None) -> RequestState:
+                params: SamplingParams | None = None, session_id: str = "") -> RequestState:
         """Queue one sequence of a prepared request (with `params` in place of its own, for the
-        n-th choice of several), within the client's timeout and the gateway's own."""
+        n-th choice of several, and `session_id` when the request names none), within the client's
+        timeout and the gateway's own."""
         gateway = self.config.gateway
         limits = [t for t in (timeout_s, gateway.request_timeout_s or None) if t is not None]
         state = RequestState(request_id=request_id, internal_id=self.dispatcher.requests.new_id(),
                              prompt_ids=checked.prompt_ids, params=params or checked.params,
                              priority=checked.priority, tokenizer=self.tokenizer, arrival_s=arrival_s,
-                             session_id=checked.session_id if gateway.sticky_sessions else "",
+                             session_id=(checked.session_id or session_id) if gateway.sticky_sessions else "",
                              deadline_s=arrival_s + min(limits) if limits else None,
                              stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3)
         try:

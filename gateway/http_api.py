@@ -219,8 +219,11 @@ class OpenAiApi:
             for p, checked in enumerate(prepared):
                 for j in range(n):
                     sequence_id = request_id if total == 1 else f"{request_id}-{p * n + j}"
+                    # The n choices of a prompt are one session: they go to one worker, which then
+                    # prefills their shared prompt once.
                     states.append(self.admission.enqueue(checked, sequence_id, arrival_s, timeout_s,
-                                                         choice_params(checked.params, j)))
+                                                         choice_params(checked.params, j),
+                                                         session_id=f"{request_id}-p{p}" if n > 1 else ""))
         except Refusal as e:
             Sequences(self.admission, states).close(e.code)
             raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None

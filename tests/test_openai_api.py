@@ -405,3 +405,16 @@ def test_turns_of_one_session_find_the_previous_turns_cached_on_their_worker(bas
             assert next_worker == worker
             assert cached >= prompt_len // 16 * 16  # every full block of the previous turn's prompt
     assert len({turns[0][0] for turns in conversations}) == 2  # the sessions themselves spread
+
+
+def test_n_choices_of_a_prompt_run_on_one_worker_and_prefill_it_once(client, cluster):
+    prompt = [random.Random(3).randrange(3, 320) for _ in range(100)]
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, n=4, max_tokens=8, temperature=1.0,
+                                                      seed=1, extra_headers={"x-request-id": "four-choices"})
+    assert raw.headers["x-worker-id"].count(",") == 0  # one worker for all four
+    deadline = time.monotonic() + 5
+    while len(records := [r for r in request_records(cluster) if r["request_id"].startswith("four-choices-")]) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cached = sorted(r["cached_prompt_tokens"] for r in records)
+    assert cached[0] == 0 and all(c >= 96 for c in cached[1:])  # the prompt's six full blocks, computed once
