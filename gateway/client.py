@@ -2,7 +2,8 @@
 
 `python -m gateway.client status` prints each worker's health, load and memory as a table;
 `python -m gateway.client probe worker-0 --deep --memory` probes one worker.
-Flags cover chat (`--chat`, `--system`), priority, sampling and a timeout. Exit status is 0 on
+Flags cover chat (`--chat`, `--system`), priority, sampling, log-probabilities, a session,
+structured output (`--json-schema`, `--regex`, `--choice`) and a timeout. Exit status is 0 on
 success, 1 on a gRPC error (its status and message go to stderr).
 """
 from __future__ import annotations
@@ -33,22 +34,41 @@ def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
             setattr(s, name, value)
     s.stop.extend(args.stop or [])
     s.ignore_eos = args.ignore_eos
+    if args.logprobs is not None:
+        s.logprobs = args.logprobs
+    request.session_id = args.session or ""
+    given = [(kind, value) for kind, value in (("json_schema", args.json_schema), ("regex", args.regex))
+             if value is not None]
+    if args.choice:
+        given.append(("choice", args.choice))
+    if len(given) > 1:
+        raise SystemExit("give at most one of --json-schema, --regex and --choice")
+    if given:
+        kind, value = given[0]
+        if kind == "choice":
+            s.structured_output.choice.choices.extend(value)
+        else:
+            setattr(s.structured_output, kind, value)
     return request
 
 
 def generate(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        last = None
+        last, logprobs = None, []
         try:
             for response in stub.Generate(build_request(args), timeout=args.timeout):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
+                logprobs.extend(response.logprobs)
                 last = response
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     print()
+    for entry in logprobs:  # token id, its log-probability, then the most likely alternatives
+        alternatives = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in entry.top)
+        print(f"{entry.token_id}\t{entry.logprob:.4f}\t{alternatives}", file=sys.stderr)
     if last is not None and args.verbose:
         u, t = last.usage, last.timing
         print(f"[{last.request_id} on {last.worker_id}: {FINISH_NAMES[last.finish_reason]}; "
@@ -133,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-id", default=None)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--system", default=None, help="a system message (with --chat)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="print each token's log-probability and its N (0-5) most likely alternatives")
+    parser.add_argument("--session", default=None, help="a session id: its requests go to one worker")
+    parser.add_argument("--json-schema", default=None, metavar="JSON", help="constrain the output to this JSON Schema")
+    parser.add_argument("--regex", default=None, help="constrain the output to match this regex")
+    parser.add_argument("--choice", action="append", help="constrain the output to one of these (repeatable)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print usage and timing at the end")
     return generate(parser.parse_args(argv))
 

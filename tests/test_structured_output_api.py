@@ -146,3 +146,22 @@ def test_grpc_constrained_stream_survives_a_worker_kill(cluster):
     last = result["last"]
     assert last.finish_reason == inference_pb2.FINISH_REASON_STOP, last
     jsonschema.validate(json.loads(result["text"]), long_text)
+
+
+def test_the_cli_client_sends_constraints_sessions_and_prints_logprobs(cluster):
+    import subprocess
+    import sys
+    from pathlib import Path
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.client", "Pick one", "--address", cluster.address, "--max-tokens", "8",
+         "--temperature", "1.0", "--seed", "5", "--choice", "yes", "--choice", "no way", "--logprobs", "2",
+         "--session", "cli-session", "-v"],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in ("yes", "no way")
+    lines = [line.split("\t") for line in result.stderr.splitlines() if line.count("\t") == 2]
+    assert lines and all(float(lp) <= 0 and len(alts.split()) == 2 for _, lp, alts in lines)
+    bad = subprocess.run([sys.executable, "-m", "gateway.client", "x", "--address", cluster.address,
+                          "--regex", "(unclosed"], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "unclosed" in bad.stderr
