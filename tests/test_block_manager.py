@@ -435,3 +435,22 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_the_shared_chain_hashes_are_the_keys_the_block_manager_caches_under():
+    # What the gateway computes from a prompt (shared/block_hash.py, no worker code) is exactly
+    # what a worker registers, block for block, so an index of the workers' caches can be looked
+    # up from the gateway's side.
+    from shared.block_hash import chain_hashes
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(7, 26))  # 19 tokens: 4 full blocks and a partial one
+    bm.allocate_prefix("r", tokens, max_cached_tokens=0)
+    assert bm.allocate_slots("r", len(tokens))
+    bm.cache_blocks("r", tokens, len(tokens))
+    hashes = chain_hashes(tokens, 4)
+    assert len(hashes) == 4
+    assert [bm._hash_to_block_id[h] for h in hashes] == bm.block_table("r")[:4]
+    assert set(bm._hash_to_block_id) == set(hashes)
+    # A different first block changes every later hash (the chain), not just the first.
+    other = chain_hashes([0] + tokens[1:], 4)
+    assert not set(other) & set(hashes)

@@ -3,27 +3,15 @@ Pure Python and stdlib only: it never touches tensors or runs copies, it only sa
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-# Parent hash of a request's first block, so every chain starts from the same root.
-_ROOT_HASH = b""
+from shared.block_hash import ROOT_HASH, hash_block
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained content hash of one full block; stable across processes and machines (unlike hash())."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent_hash)
-    # Fixed little-endian width, so the bytes do not depend on the host.
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
 
 
 @dataclass
@@ -32,7 +20,7 @@ class _Request:
     num_tokens: int = 0  # token slots covered by block_ids
     # Progress of cache_blocks, so each call only hashes blocks it has not seen.
     num_hashed_blocks: int = 0
-    last_hash: bytes = _ROOT_HASH
+    last_hash: bytes = ROOT_HASH
 
 
 class BlockManager:

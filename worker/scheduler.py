@@ -23,9 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from shared.block_hash import hash_block
 from shared.engine_config import EngineConfig
 from shared.sampling_params import TopLogprobs
-from worker.block_manager import BlockManager, hash_block
+from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
 
 
