@@ -172,8 +172,11 @@ class OpenAiApi:
         try:
             sequences = await self._admit(http, request_id, requests, presentation, arrival_s, timeout_s)
             builder = ResponseBuilder(request_id, self.model, chat, presentation, self.texts)
-            choices = [Choice(i, s, prefix=self._echo(requests[i // presentation.n], s) if presentation.echo else "")
-                       for i, s in enumerate(sequences.states)]
+            n = presentation.n
+            # The echoed prompt, once per prompt (its n choices share it).
+            echoes = ([self._echo(r, sequences.states[p * n]) for p, r in enumerate(requests)] if presentation.echo
+                      else [""] * len(requests))
+            choices = [Choice(i, s, prefix=echoes[i // n]) for i, s in enumerate(sequences.states)]
             if not presentation.stream:
                 await _until_disconnect(http, self._collect(sequences, choices), sequences.close)
                 return JSONResponse(builder.response(choices), headers=_headers(request_id, choices, timing=True))

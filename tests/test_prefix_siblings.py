@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import worker.scheduler as scheduler_module
+from scheduler_steps import play_step
 from shared.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
@@ -24,21 +25,10 @@ def req(request_id, prompt, max_tokens=4, priority=0) -> Request:
 
 
 def step(s: Scheduler) -> dict[str, int]:
-    """Schedule, then play the engine's part: advance, register computed blocks, sample, finish."""
-    out = s.schedule()
-    for item in out.scheduled:
-        r = item.request
-        r.num_computed_tokens += item.num_new_tokens
-        s.blocks.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens)
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_token(7)
-            status = r.stop_status()
-            if status:
-                s.finish(r, status)
-    s.blocks.check_integrity()
+    out = play_step(s, token_id=7)
     for r in s.waiting:
         assert not s.blocks.has_request(r.request_id)
-    return {item.request.request_id: item.num_new_tokens for item in out.scheduled}
+    return out
 
 
 def drain(s: Scheduler, max_steps=200) -> list[dict[str, int]]:

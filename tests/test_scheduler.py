@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from scheduler_steps import play_step
 from shared.sampling_params import SamplingParams
 from worker.block_manager import BlockManager
 from worker.request import Request, RequestStatus
@@ -29,19 +30,7 @@ def req(request_id, prompt_len, max_tokens=8, priority=0, prompt=None) -> Reques
 
 
 def step(s: Scheduler) -> dict[str, int]:
-    """Schedule, then play the engine's part: advance, append a token when caught up, finish."""
-    out = s.schedule()
-    for item in out.scheduled:
-        r = item.request
-        r.num_computed_tokens += item.num_new_tokens
-        s.blocks.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens)
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_token(99)
-            status = r.stop_status()
-            if status:
-                s.finish(r, status)
-    s.blocks.check_integrity()
-    return {item.request.request_id: item.num_new_tokens for item in out.scheduled}
+    return play_step(s, token_id=99)
 
 
 def test_token_budget_and_max_num_seqs():

@@ -1,7 +1,8 @@
 """Per-request edits of a step's logits [B, V] that depend on a request's own tokens or settings: logit bias,
 repetition / presence / frequency penalties, and min_tokens' ban on stopping. Each works IN PLACE on the rows
 it is given and leaves every other row bit-identical; the Sampler decides which rows from the Python params,
-so a batch where no row uses one costs nothing. No randomness, no filtering by probability (sampler.py)."""
+so a batch where no row uses one costs nothing. Also the sampled rows' top-k / top-p / min-p filters. No
+randomness (sampler.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ __all__ = [
     "apply_min_tokens",
     "apply_presence_frequency_penalties",
     "apply_repetition_penalty",
+    "apply_top_k_top_p_min_p",
 ]
 
 
@@ -151,3 +153,77 @@ def apply_min_tokens(
              torch.tensor(token_ids, dtype=torch.long, device=device))
     logits.index_put_(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
     return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Set the logits of tokens removed by top-k, then top-p, then min-p to -inf, IN PLACE; returns `logits`.
+
+    logits [B, V] float (already temperature-scaled). Each of top_k [B] int (0 = off), top_p [B] float (1 = off),
+    min_p [B] float (0 = off) may be None, meaning no row uses that filter: its work is skipped entirely (the
+    Sampler decides this from the Python params, so the common case costs no device sync). Rows with a filter
+    off are left untouched by it.
+    - top-k keeps every token whose logit is >= the k-th largest logit of the row: ties AT the boundary are all
+      kept (HF's rule), so the kept set never depends on sort order. k >= V keeps everything.
+    - top-p keeps the smallest set of most probable tokens whose cumulative probability reaches top_p (at least
+      one token), with probabilities taken after top-k. Among equal probabilities, lower token ids come first.
+    - min-p keeps tokens with p >= min_p * max(p), p being the softmax after top-k and top-p.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a 2-D float tensor [B, V], got shape {tuple(logits.shape)} {logits.dtype}")
+    num_rows, vocab_size = logits.shape
+    for name, t in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if t is not None and tuple(t.shape) != (num_rows,):
+            raise ValueError(f"{name} must have shape [{num_rows}] (one value per row), got {tuple(t.shape)}")
+    if top_k is not None and top_k.is_floating_point():
+        raise ValueError(f"top_k must be an integer tensor, got {top_k.dtype}")
+
+    neg_inf = float("-inf")
+    if top_p is not None:
+        # Top-p needs the full descending order anyway, so top-k is done on the same sorted copy.
+        # stable=True: equal logits keep ascending token-id order, so top-p ties resolve deterministically.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [B, V], [B, V]
+        if top_k is not None:
+            _mask_below_kth(sorted_logits, sorted_logits, top_k)
+        probs = torch.softmax(sorted_logits.float(), dim=-1)  # [B, V]
+        cumulative = probs.cumsum(dim=-1)  # [B, V]
+        # Token i is removed when the tokens before it already reach top_p; column 0 is always kept.
+        remove = torch.zeros_like(cumulative, dtype=torch.bool)  # [B, V]
+        remove[:, 1:] = cumulative[:, :-1] >= top_p.to(cumulative.dtype).unsqueeze(1)
+        # top_p == 1 must keep everything, even where float cumsum rounds up to 1 before the last token.
+        remove &= (top_p < 1).unsqueeze(1)
+        sorted_logits.masked_fill_(remove, neg_inf)
+        # Sorted values are original values or -inf, so scattering them back is exact.
+        logits.scatter_(1, order, sorted_logits)
+    elif top_k is not None:
+        # No top-p: a partial top-k over the largest requested k is enough to find each row's threshold.
+        max_k = min(int(top_k.max().item()), vocab_size)
+        if max_k > 0:
+            top_values = torch.topk(logits, max_k, dim=-1, sorted=True).values  # [B, max_k]
+            _mask_below_kth(logits, top_values, top_k)
+
+    if min_p is not None:
+        # Computed in the original order (not on the sorted copy) so the result does not depend on which other
+        # filters the batch happens to use.
+        probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
+        threshold = min_p.to(probs.dtype).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        logits.masked_fill_(probs < threshold, neg_inf)
+    return logits
+
+
+def _mask_below_kth(target: torch.Tensor, descending_values: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Set target entries below each row's k-th largest value to -inf, in place; rows with k == 0 untouched.
+
+    descending_values [B, W] holds each row's W largest values in descending order (W >= every k in use,
+    or W == V); k is clamped to W."""
+    width = descending_values.shape[1]
+    k = top_k.to(device=descending_values.device, dtype=torch.long)
+    kth_index = k.clamp(min=1, max=width).sub(1).unsqueeze(1)  # [B, 1]
+    kth_value = descending_values.gather(1, kth_index)  # [B, 1]
+    # Disabled rows get a -inf threshold, which removes nothing.
+    kth_value = kth_value.masked_fill((k == 0).unsqueeze(1), float("-inf"))
+    target.masked_fill_(target < kth_value, float("-inf"))
