@@ -120,10 +120,11 @@ class Admission:
         timeout and the gateway's own."""
         gateway = self.config.gateway
         limits = [t for t in (timeout_s, gateway.request_timeout_s or None) if t is not None]
+        session_id = (checked.session_id or session_id) if self.config.dispatch.sticky_sessions else ""
         state = RequestState(request_id=request_id, internal_id=self.dispatcher.requests.new_id(),
                              prompt_ids=checked.prompt_ids, params=params or checked.params,
                              priority=checked.priority, tokenizer=self.tokenizer, arrival_s=arrival_s,
-                             session_id=(checked.session_id or session_id) if gateway.sticky_sessions else "",
+                             session_id=session_id,
                              deadline_s=arrival_s + min(limits) if limits else None,
                              stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3)
         try:

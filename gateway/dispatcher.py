@@ -2,9 +2,10 @@
 
 It owns the queue, the table of live requests and the ZeroMQ socket; requests are known here
 and on the wire by their internal ids only (gateway/request_table.py). Batches come from one
-length bucket, go to the worker with the most room by what its heartbeats report (or, for a
-request of a known session, to the worker that served the session last, while it is alive and has
-room: its prefix cache holds the conversation), and never exceed what that worker said it can take. A worker that dies (silent heartbeats, or a new
+length bucket, go to the worker the routing policy picks for them (gateway/routing.py: by default
+the one whose prefix cache holds the longest prefix of the prompt, as the workers' KV events
+report it to the prefix index), and never exceed what that worker said it can take. A batch
+window's requests may split across workers. A worker that dies (silent heartbeats, or a new
 incarnation) has its requests requeued at the front and resumed elsewhere from the tokens
 already streamed; with no live worker left they wait up to `gateway.resume_grace_s` (never past
 their deadlines) for one to come back, then end UNAVAILABLE.
@@ -15,15 +16,16 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
 from typing import Callable
 
 import grpc
 
 from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
+from gateway.prefix_index import PrefixIndex
 from gateway.queues import LengthBucketedQueue, QueuedItem
 from gateway.request_table import DuplicateRequestError, RequestTable
+from gateway.routing import Route, Router
 from gateway.streams import RequestState
 from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
@@ -34,7 +36,6 @@ from shared.wire import logprobs_from_wire, sampling_to_wire
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.05
 LOOP_LAG_INTERVAL_S = 0.02
-MAX_SESSIONS = 1 << 16  # sessions remembered (least recently routed forgotten first)
 
 
 class Dispatcher:
@@ -59,7 +60,8 @@ class Dispatcher:
         self._on_workers_changed = on_workers_changed
         self._liveness: dict[str, tuple[bool, bool]] = {}
         self._probes: dict[int, asyncio.Future] = {}
-        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> the worker that served it last
+        self.prefix_index = PrefixIndex()
+        self.router = Router(config.dispatch, self.prefix_index)
         # Label lookups cost more than the observation itself: resolve each bucket's once.
         self._itl_by_bucket = [self.metrics.itl.labels(str(b)) for b in range(len(q.bucket_bounds) + 1)]
         self._probe_ids = 0
@@ -124,8 +126,10 @@ class Dispatcher:
             worker = self.registry.get(envelope.worker_id)
             incarnations = worker.num_incarnations
             lost = self.registry.on_message(envelope, now)
-            if worker.num_incarnations > incarnations > 0:
-                self.metrics.worker_restarts.labels(worker.worker_id).inc()
+            if worker.num_incarnations > incarnations:
+                self.prefix_index.forget(worker.worker_id)  # a new process caches nothing yet
+                if incarnations > 0:
+                    self.metrics.worker_restarts.labels(worker.worker_id).inc()
             if lost:
                 log.warning("%s restarted (incarnation %s); resuming %d requests", envelope.worker_id,
                             envelope.incarnation, len(lost))
@@ -133,8 +137,15 @@ class Dispatcher:
             kind = envelope.WhichOneof("body")
             if kind == "outputs":
                 self._on_outputs(envelope.worker_id, envelope.outputs, now)
+            elif kind == "kv_events":
+                self.prefix_index.on_events(envelope.worker_id, envelope.kv_events)
+                self._ask_snapshot(envelope.worker_id, now)
             elif kind == "heartbeat":
+                self.prefix_index.on_heartbeat(envelope.worker_id, envelope.heartbeat.kv_events_seq)
+                self._ask_snapshot(envelope.worker_id, now)
                 self.metrics.on_heartbeat(envelope.worker_id, envelope.incarnation, envelope.heartbeat)
+                self.metrics.prefix_index_blocks.labels(envelope.worker_id).set(
+                    self.prefix_index.num_blocks(envelope.worker_id))
                 self._wake.set()  # capacity may have changed
                 self._check_liveness(now)
             elif kind == "probe_reply":
@@ -145,6 +156,7 @@ class Dispatcher:
                 log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
                           envelope.exit.reason, len(worker.assigned))
                 lost = self.registry.mark_dead(envelope.worker_id)
+                self.prefix_index.forget(envelope.worker_id)
                 self._resume(lost, now)
                 self._check_liveness(now)
 
@@ -157,6 +169,9 @@ class Dispatcher:
                     stale.append(delta.request_id)  # cancelled, or moved on after a false death
                 continue
             state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+            if state.predicted_cached_tokens is not None and (delta.new_token_ids or delta.finished):
+                self.metrics.on_cache_prediction(worker_id, state.predicted_cached_tokens, delta.num_cached_tokens)
+                state.predicted_cached_tokens = None
             if delta.prefill_ms:
                 state.prefill_ms, state.worker_queue_ms = delta.prefill_ms, delta.worker_queue_ms
             state.num_preemptions = max(state.num_preemptions, delta.num_preemptions)
@@ -199,60 +214,60 @@ class Dispatcher:
         while len(self.queue):
             now = time.monotonic()
             self._expire(now)
+            takers = [w for w in self.registry.live(now) if w.can_take() and w.free_slots() > 0]
             head = self.queue.head(now)
-            worker = self._session_worker(head.payload, head.num_tokens, now) if head is not None else None
-            sticky = worker is not None
-            worker = worker or self.registry.pick(now, 1)
-            if worker is None:
+            first = self._route(head, takers, {}, {}) if head is not None else None
+            if first is None:
                 return
-            budget = {"blocks": worker.free_blocks()}
+            worker = first.worker
+            # Tokens and blocks routed to `worker` in this pass, not yet in its load or reservations.
+            taken, taken_blocks = {worker.worker_id: 0}, {worker.worker_id: 0}
+            routes: dict[str, Route] = {}
 
-            def fits(item: QueuedItem, worker=worker, budget=budget) -> bool:
-                # A request whose session lives on another worker with room waits for that worker's turn.
-                home = self._session_worker(item.payload, item.num_tokens, now)
-                if home is not None and home is not worker:
+            def fits(item: QueuedItem, worker=worker) -> bool:
+                # Another worker's request waits for that worker's turn (head-of-line, as the queue keeps it).
+                route = self._route(item, takers, taken, taken_blocks)
+                if route is None or route.worker is not worker:
                     return False
-                need = worker.blocks_for(item.num_tokens + 1)
-                if need > budget["blocks"]:
-                    return False
-                budget["blocks"] -= need
+                routes[item.request_id] = route
+                num_tokens = self._num_tokens(item.payload) + 1
+                taken[worker.worker_id] += num_tokens
+                taken_blocks[worker.worker_id] += worker.blocks_for(num_tokens)
                 return True
 
             # Spread what is queued now across the workers that can take it, rather than filling
             # one worker while another idles.
-            num_takers = max(1, sum(1 for w in self.registry.live(now) if w.can_take() and w.free_slots() > 0))
-            fair_share = -(-len(self.queue) // num_takers)
+            fair_share = -(-len(self.queue) // max(1, len(takers)))
             batch = self.queue.pop_batch(now, min(max_batch, worker.free_slots(), fair_share), fits)
             if not batch:
                 return
-            self.metrics.routing.labels("sticky" if sticky else "spread").inc()
-            await self._send_batch(worker, [item.payload for item in batch], now)
+            states = [item.payload for item in batch]
             for item in batch:
-                self._remember_session(item.payload.session_id, worker.worker_id)
+                route = routes[item.request_id]
+                self.metrics.routing.labels(route.outcome).inc()
+                item.payload.predicted_cached_tokens = route.predicted_cached_tokens
+            self.router.committed(states, worker)
+            await self._send_batch(worker, states, now)
 
-    def _session_worker(self, state: RequestState, num_tokens: int, now: float) -> WorkerHandle | None:
-        """The worker that served `state`'s session last, if it is alive and has room for it now."""
-        worker_id = self._sessions.get(state.session_id) if state.session_id else None
-        worker = self.registry.workers.get(worker_id) if worker_id is not None else None
-        if (worker is None or not self.registry.is_alive(worker, now) or not worker.can_take()
-                or worker.free_slots() <= 0 or worker.free_blocks() < worker.blocks_for(num_tokens + 1)):
-            return None
-        return worker
+    def _route(self, item: QueuedItem, takers: list[WorkerHandle], taken: dict[str, int],
+               taken_blocks: dict[str, int]) -> Route | None:
+        """The policy's worker for `item` among the workers with room for it, counting the tokens
+        and blocks already routed to them in this pass."""
+        state = item.payload
+        need = self._num_tokens(state) + 1
+        room = [w for w in takers if w.free_blocks() - taken_blocks.get(w.worker_id, 0) >= w.blocks_for(need)]
+        return self.router.route(state, room, taken)
 
-    def _remember_session(self, session_id: str, worker_id: str) -> None:
-        if not session_id:
-            return
-        self._sessions[session_id] = worker_id
-        self._sessions.move_to_end(session_id)
-        if len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+    @staticmethod
+    def _num_tokens(state: RequestState) -> int:
+        return len(state.prompt_ids) + len(state.output_ids)
 
     async def _send_batch(self, worker: WorkerHandle, states: list[RequestState], now: float) -> None:
         wire = []
         for state in states:
             state.worker_id = worker.worker_id
             state.dispatch_s = state.dispatch_s or now
-            self.registry.assign(worker.worker_id, state.internal_id, len(state.prompt_ids) + 1)
+            self.registry.assign(worker.worker_id, state.internal_id, self._num_tokens(state) + 1)
             wire.append(worker_pb2.WireRequest(
                 request_id=state.internal_id, prompt_token_ids=state.prompt_ids, output_token_ids=state.output_ids,
                 sampling=sampling_to_wire(state.params), priority=0 if self.queue.fifo else state.priority))
@@ -262,6 +277,12 @@ class Dispatcher:
             log.warning("%s unreachable; requeueing %d requests", worker.worker_id, len(states))
             self.registry.mark_unreachable(worker.worker_id)
             self._resume({s.internal_id for s in states}, now)
+
+    def _ask_snapshot(self, worker_id: str, now: float) -> None:
+        if self.prefix_index.needs_snapshot(worker_id, now):
+            self.metrics.kv_snapshots.labels(worker_id).inc()
+            asyncio.ensure_future(self.socket.send(worker_id, worker_pb2.Envelope(
+                kv_snapshot_request=worker_pb2.KvSnapshotRequest())))
 
     def _send_abort(self, worker_id: str, request_ids: list[str]) -> None:
         envelope = worker_pb2.Envelope(abort=worker_pb2.AbortRequests(request_ids=request_ids))
@@ -296,6 +317,7 @@ class Dispatcher:
     def _check_liveness(self, now: float) -> None:
         dead = self.registry.reap_dead(now)
         for worker_id, lost in dead.items():
+            self.prefix_index.forget(worker_id)
             log.warning("%s missed heartbeats for %.1f s; resuming its %d requests elsewhere", worker_id,
                         self.config.gateway.heartbeat_timeout_s, len(lost))
             self._resume(lost, now)

@@ -51,9 +51,19 @@ class Metrics:
         self.oom_recoveries = Counter("inference_oom_recoveries", "Out-of-memory errors survived in a forward.", w,
                                       registry=r)
         self.worker_restarts = Counter("inference_worker_restarts", "New incarnations of a worker.", w, registry=r)
-        self.routing = Counter("inference_routing_decisions", "Batches dispatched, by how their worker was chosen: "
-                               "sticky (the head request's session's worker) or spread (the most room).",
+        self.routing = Counter("inference_routing_decisions", "Requests dispatched, by how their worker was "
+                               "chosen: cache_hit (the longest cached prefix), balanced (that worker was "
+                               "overloaded), sticky (the session's worker), spread (the most room).",
                                ["outcome"], registry=r)
+        self.predicted_cached_tokens = Counter("inference_routing_predicted_cached_tokens", "Prompt tokens the "
+                                               "prefix index expected the chosen worker to find cached.", w,
+                                               registry=r)
+        self.reported_cached_tokens = Counter("inference_routing_reported_cached_tokens", "Prompt tokens the worker "
+                                              "reported it found cached, for the same requests.", w, registry=r)
+        self.prefix_index_blocks = Gauge("inference_prefix_index_blocks", "Prefix-cache blocks the gateway's index "
+                                         "holds for the worker.", w, registry=r)
+        self.kv_snapshots = Counter("inference_kv_snapshot_requests", "KV-cache snapshots asked of a worker (its "
+                                    "events were lost or out of order).", w, registry=r)
         self.prompt_tokens = Counter("inference_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("inference_generation_tokens", "Generated tokens streamed.", registry=r)
         self.request_success = Counter("inference_request_success", "Finished requests by finish reason.",
@@ -101,6 +111,10 @@ class Metrics:
         if delta > 0:
             counter.labels(worker_id).inc(delta)
         self._last_counts[(worker_id, field)] = (incarnation, value)
+
+    def on_cache_prediction(self, worker_id: str, predicted: int, reported: int) -> None:
+        self.predicted_cached_tokens.labels(worker_id).inc(predicted)
+        self.reported_cached_tokens.labels(worker_id).inc(reported)
 
     def on_liveness(self, worker_id: str, alive: bool, ready: bool) -> None:
         self.worker_up.labels(worker_id).set(int(alive))

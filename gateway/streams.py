@@ -66,6 +66,10 @@ class RequestState:
     # The gRPC status this stream ended with when the gateway ended it with one (a deadline,
     # no live worker): what the status metric and the request log record.
     status_code: grpc.StatusCode | None = None
+    # Routing (gateway/routing.py): the prompt's block hashes, keyed by (block size, tokens
+    # streamed), and the cached tokens predicted at the last dispatch, until the worker reports.
+    block_hashes: tuple[tuple[int, int], list[bytes]] | None = None
+    predicted_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._held = StreamEvent()  # tokens waiting for stream_interval

@@ -25,6 +25,7 @@ class WorkerHandle:
     heartbeat: worker_pb2.Heartbeat | None = None
     last_seen_s: float = -math.inf  # monotonic, on the gateway's clock
     assigned: set[str] = field(default_factory=set)  # request ids sent and not finished
+    assigned_tokens: dict[str, int] = field(default_factory=dict)  # their tokens (prompt + streamed) when sent
     blocks_reserved: int = 0  # prompt blocks of requests sent since the last heartbeat
     num_incarnations: int = 0
     was_alive: bool = False
@@ -51,6 +52,10 @@ class WorkerHandle:
     def free_blocks(self) -> int:
         hb = self.heartbeat
         return 0 if hb is None else max(0, hb.kv_blocks_free - self.blocks_reserved)
+
+    def load_tokens(self) -> int:
+        """The tokens of the requests this worker holds (queued or running): its load for routing."""
+        return sum(self.assigned_tokens.values())
 
     def blocks_for(self, num_tokens: int) -> int:
         size = self.heartbeat.block_size if self.heartbeat and self.heartbeat.block_size else 16
@@ -84,6 +89,7 @@ class WorkerRegistry:
             if worker.incarnation:
                 lost = set(worker.assigned)
                 worker.assigned.clear()
+                worker.assigned_tokens.clear()
             worker.incarnation = envelope.incarnation
             worker.num_incarnations += 1
             worker.heartbeat = None
@@ -99,11 +105,14 @@ class WorkerRegistry:
         and its prompt's blocks are reserved until the next heartbeat reports them."""
         worker = self.get(worker_id)
         worker.assigned.add(request_id)
+        worker.assigned_tokens[request_id] = num_tokens
         worker.blocks_reserved += worker.blocks_for(num_tokens)
 
     def release(self, worker_id: str, request_id: str) -> None:
         """The request ended, moved or was cancelled: its slot is free again."""
-        self.get(worker_id).assigned.discard(request_id)
+        worker = self.get(worker_id)
+        worker.assigned.discard(request_id)
+        worker.assigned_tokens.pop(request_id, None)
 
     def release_reservations(self, worker_id: str) -> None:
         """A request finished on the worker, so its reported free blocks are about to rise: stop
@@ -122,6 +131,7 @@ class WorkerRegistry:
             if worker.was_alive and not alive:
                 dead[worker.worker_id] = set(worker.assigned)
                 worker.assigned.clear()
+                worker.assigned_tokens.clear()
                 worker.blocks_reserved = 0
                 worker.heartbeat = None
             worker.was_alive = alive
@@ -132,6 +142,7 @@ class WorkerRegistry:
         worker = self.get(worker_id)
         lost = set(worker.assigned)
         worker.assigned.clear()
+        worker.assigned_tokens.clear()
         worker.blocks_reserved = 0
         worker.heartbeat = None
         worker.last_seen_s = -math.inf

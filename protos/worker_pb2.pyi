@@ -133,7 +133,7 @@ class StepOutputs(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining")
+    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining", "kv_events_seq")
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class Heartbeat(_message.Message):
     NUM_OOM_RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     IS_HUNG_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     num_running: int
     num_waiting: int
@@ -194,7 +195,26 @@ class Heartbeat(_message.Message):
     num_oom_recoveries: int
     is_hung: bool
     is_draining: bool
-    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ...) -> None: ...
+    kv_events_seq: int
+    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., kv_events_seq: _Optional[int] = ...) -> None: ...
+
+class KvEvents(_message.Message):
+    __slots__ = ("seq", "snapshot", "stored", "removed", "block_size")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class KvSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ProbeReply(_message.Message):
     __slots__ = ("probe_id", "ok", "error", "latency_ms", "memory_report")
@@ -217,7 +237,7 @@ class WorkerExit(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply", "exit")
+    __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply", "exit", "kv_events", "kv_snapshot_request")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +248,8 @@ class Envelope(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PROBE_REPLY_FIELD_NUMBER: _ClassVar[int]
     EXIT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    KV_SNAPSHOT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     version: int
     worker_id: str
     incarnation: str
@@ -238,4 +260,6 @@ class Envelope(_message.Message):
     heartbeat: Heartbeat
     probe_reply: ProbeReply
     exit: WorkerExit
-    def __init__(self, version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., submit: _Optional[_Union[SubmitBatch, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe_reply: _Optional[_Union[ProbeReply, _Mapping]] = ..., exit: _Optional[_Union[WorkerExit, _Mapping]] = ...) -> None: ...
+    kv_events: KvEvents
+    kv_snapshot_request: KvSnapshotRequest
+    def __init__(self, version: _Optional[int] = ..., worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., submit: _Optional[_Union[SubmitBatch, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., probe_reply: _Optional[_Union[ProbeReply, _Mapping]] = ..., exit: _Optional[_Union[WorkerExit, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., kv_snapshot_request: _Optional[_Union[KvSnapshotRequest, _Mapping]] = ...) -> None: ...

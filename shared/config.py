@@ -18,8 +18,8 @@ from typing import Any
 from shared.engine_config import ConfigError, EngineConfig
 from shared.engine_config import check as _check
 
-__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "GatewayConfig", "QueueConfig", "WorkerConfig",
-           "add_config_flags", "build_section", "config_from_args", "load_config", "usable_cores"]
+__all__ = ["ClusterConfig", "ConfigError", "DispatchConfig", "EngineConfig", "GatewayConfig", "QueueConfig",
+           "WorkerConfig", "add_config_flags", "build_section", "config_from_args", "load_config", "usable_cores"]
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,6 @@ class GatewayConfig:
     # per quick crash up to worker.max_restart_backoff_s. A gateway loads no model, so it restarts
     # sooner than a worker: clients are refused for as long as it is down.
     restart_backoff_s: float = 0.1
-    # Requests that name a session (GenerateRequest.session_id, the OpenAI API's `user`) go to the
-    # worker that served the session last while it is alive and has room: its prefix cache holds
-    # the conversation so far.
-    sticky_sessions: bool = True
     # The OpenAI-compatible HTTP API (gateway/http_api.py) on `host`; 0 turns it off.
     http_port: int = 8080
     served_model_name: str = ""  # the `model` clients name; "" = the model folder's name
@@ -132,6 +128,32 @@ class QueueConfig:
         return None
 
 
+DISPATCH_POLICIES = ("cache_aware", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """The `[dispatch]` section: which worker each request goes to (gateway/routing.py)."""
+    # cache_aware: the worker that holds the longest prefix of the prompt in its prefix cache (the
+    # workers report their cached blocks, gateway/prefix_index.py), unless that worker is
+    # overloaded against the least-loaded one (both thresholds below exceeded); least_loaded: the
+    # worker with the most room; round_robin: each batch to the next worker in turn.
+    policy: str = "cache_aware"
+    # Overloaded: its load (prompt + generated tokens of the requests it holds) exceeds the
+    # least-loaded worker's by more than balance_abs_tokens AND by more than balance_rel times.
+    balance_abs_tokens: int = 4096
+    balance_rel: float = 1.5
+    # Requests that name a session (GenerateRequest.session_id, the OpenAI API's `user`) and whose
+    # prefix no worker caches yet go to the worker that served the session last while it is alive,
+    # has room and is not overloaded: it is computing the conversation so far.
+    sticky_sessions: bool = True
+
+    def validate(self) -> None:
+        _check(self.policy in DISPATCH_POLICIES, "dispatch.policy", self.policy, " or ".join(DISPATCH_POLICIES))
+        _check(self.balance_abs_tokens >= 0, "dispatch.balance_abs_tokens", self.balance_abs_tokens, ">= 0")
+        _check(self.balance_rel >= 1.0, "dispatch.balance_rel", self.balance_rel, ">= 1")
+
+
 @dataclass(frozen=True)
 class WorkerConfig(EngineConfig):
     """The `[worker]` section: the engine's settings (inherited, read by the engine as they are)
@@ -187,6 +209,7 @@ class ClusterConfig:
     run_dir: str = ".run"  # ipc:// sockets live here
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     queues: QueueConfig = field(default_factory=QueueConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def validate(self) -> None:
@@ -194,6 +217,7 @@ class ClusterConfig:
         _check(bool(self.model_dir), "model_dir", self.model_dir, "a model folder")
         self.gateway.validate()
         self.queues.validate()
+        self.dispatch.validate()
 
     @property
     def worker_ids(self) -> list[str]:
@@ -220,7 +244,7 @@ def usable_cores() -> list[int]:
 
 
 # ---- loading and overriding ---------------------------------------------------------------
-_SECTIONS = {"gateway": GatewayConfig, "queues": QueueConfig, "worker": WorkerConfig}
+_SECTIONS = {"gateway": GatewayConfig, "queues": QueueConfig, "dispatch": DispatchConfig, "worker": WorkerConfig}
 
 
 def _flag_names() -> list[str]:

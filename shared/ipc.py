@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from protos import worker_pb2
 
-WIRE_VERSION = 2  # 2: sampling penalties, logit bias, min_tokens, logprobs on the wire
+WIRE_VERSION = 3  # 3: prefix-cache KV events
 # Unix socket paths are limited to about 107 bytes; ZeroMQ fails obscurely past that.
 _MAX_IPC_PATH = 100
 # A worker never blocks for long on a gateway that is gone: what it would have sent is moot,

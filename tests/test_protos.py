@@ -7,6 +7,7 @@ import pytest
 
 from protos import worker_pb2
 from shared import ipc
+from shared.block_hash import chain_hashes
 from shared.sampling_params import SamplingParams
 from shared.wire import TokenLogprob, logprobs_from_wire, logprobs_to_wire, sampling_from_wire, sampling_to_wire
 from tools.gen_protos import ROOT, generate
@@ -33,8 +34,12 @@ def _examples() -> list[worker_pb2.Envelope]:
             request_id="r1", new_token_ids=[7], finished=True, finish_reason="length", num_prompt_tokens=3,
             num_cached_tokens=0, logprobs=logprobs_to_wire([-0.25], [((7, -0.25), (2, -1.5))]))])),
         worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat(ready=True, num_running=2, kv_blocks_total=64,
-                                                           kv_blocks_free=60, memory_level="OK", device="cpu")),
+                                                           kv_blocks_free=60, memory_level="OK", device="cpu",
+                                                           kv_events_seq=3)),
         worker_pb2.Envelope(probe_reply=worker_pb2.ProbeReply(probe_id=5, ok=True, latency_ms=1.5)),
+        worker_pb2.Envelope(kv_events=worker_pb2.KvEvents(seq=3, stored=chain_hashes(range(12), 4),
+                                                          removed=[b"\x00" * 16], block_size=4)),
+        worker_pb2.Envelope(kv_snapshot_request=worker_pb2.KvSnapshotRequest()),
     ]
 
 
@@ -103,3 +108,14 @@ def test_overlong_ipc_path_is_refused_with_a_clear_error():
         ipc.check_endpoint("ipc:///tmp/" + "x" * 200)
     with pytest.raises(ValueError, match="ipc:// or tcp://"):
         ipc.check_endpoint("udp://x")
+
+
+def test_a_large_kv_events_snapshot_round_trips():
+    # Tens of thousands of 16-byte hashes fit one frame (about 18 bytes each on the wire).
+    stored = [i.to_bytes(16, "little") for i in range(50_000)]
+    envelope = worker_pb2.Envelope(kv_events=worker_pb2.KvEvents(seq=9, snapshot=True, stored=stored,
+                                                                 block_size=16))
+    frame = ipc.encode(envelope)
+    assert len(frame) < 50_000 * 20
+    decoded = ipc.decode(frame).kv_events
+    assert decoded.snapshot and decoded.seq == 9 and list(decoded.stored) == stored and not decoded.removed

@@ -1,6 +1,7 @@
 """The worker loop with a real engine and a fake or real socket: what it does at HIGH and
 CRITICAL memory, out-of-memory errors in the forward, per-request timings on the deltas,
-heartbeat fields, memory-report probes, a hung step and a fatal error."""
+heartbeat fields, memory-report probes, KV events (prefix-cache reports and snapshots), a hung
+step and a fatal error."""
 from __future__ import annotations
 
 import faulthandler
@@ -14,8 +15,9 @@ import zmq
 
 from cluster_harness import free_port
 from protos import worker_pb2
+from shared.block_hash import chain_hashes
 from shared.config import load_config
-from shared.ipc import decode
+from shared.ipc import decode, encode
 from shared.wire import logprobs_from_wire, sampling_to_wire
 from worker.engine import Engine, SamplingParams
 from worker.memory import MemoryReading
@@ -46,6 +48,9 @@ class FakeSocket:
 
     def deltas(self) -> list[worker_pb2.TokenDelta]:
         return [d for e in self.sent if e.WhichOneof("body") == "outputs" for d in e.outputs.deltas]
+
+    def kv_events(self) -> list[worker_pb2.KvEvents]:
+        return [e.kv_events for e in self.sent if e.WhichOneof("body") == "kv_events"]
 
 
 class Pressure:
@@ -343,6 +348,128 @@ def test_deltas_carry_the_logprobs_asked_for_on_the_wire(llama_dir):
                 [lp for top in expected.top_logprobs for _, lp in top], abs=1e-6)
         else:
             assert all(e.top == () for e in got)
+
+
+# ---- KV events: the prefix cache reported to the gateway ---------------------------------------
+SNAPSHOT_REQUEST = worker_pb2.Envelope(kv_snapshot_request=worker_pb2.KvSnapshotRequest())
+
+
+def test_kv_events_report_cached_blocks_in_seq_order_and_heartbeats_follow(llama_dir, reference):
+    service = make_service(llama_dir)
+    assert service.heartbeat.heartbeat().heartbeat.kv_events_seq == 0
+    submit(service, "a", PROMPTS["p0"])
+    for _ in range(200):
+        if not service.engine.has_unfinished_requests():
+            break
+        service.run_once()
+        # Published after the send: a heartbeat's seq is always one already sent.
+        sent = [e.seq for e in service.socket.kv_events()]
+        assert service.heartbeat.heartbeat().heartbeat.kv_events_seq == (sent[-1] if sent else 0)
+    assert not service.engine.has_unfinished_requests()
+    events = service.socket.kv_events()
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert all(not e.snapshot and e.block_size == 4 and e.stored and not e.removed for e in events)
+    # The scheduler caches the computed tokens: the prompt and every output token but the last.
+    computed = (PROMPTS["p0"] + reference["greedy"]["p0"])[:-1]
+    expected = chain_hashes(computed, 4)
+    assert len(expected) == 7 and [h for e in events for h in e.stored] == expected
+    assert len(events) == 6  # the prefill's two blocks, then one report per block the decode fills
+    assert set(service.engine.cached_block_hashes()) == set(expected)
+
+    # Changes not reported yet are part of the snapshot, so they are never reported after it.
+    assert service.engine.evict_prefix_cache(2) == 2
+    service.socket.inbox.append(SNAPSHOT_REQUEST)
+    service.run_once()
+    snapshot = service.socket.sent[-1].kv_events
+    assert snapshot.snapshot and snapshot.seq == len(events) + 1 and snapshot.block_size == 4
+    assert set(snapshot.stored) == set(expected[:5]) and len(snapshot.stored) == 5 and not snapshot.removed
+    assert service.heartbeat.heartbeat().heartbeat.kv_events_seq == snapshot.seq
+    service.run_once()
+    assert service.socket.kv_events()[-1] == snapshot  # nothing pending after the snapshot
+
+    # The reports after a snapshot follow from its seq; the same prompt re-registers only what went.
+    submit(service, "b", PROMPTS["p0"])
+    drain(service)
+    after = service.socket.kv_events()[len(events) + 1:]
+    assert [e.seq for e in after] == list(range(snapshot.seq + 1, snapshot.seq + 1 + len(after)))
+    assert [h for e in after for h in e.stored] == expected[5:] and not any(e.removed for e in after)
+    assert service.heartbeat.heartbeat().heartbeat.kv_events_seq == after[-1].seq
+
+
+def test_kv_events_report_evictions_and_coalesce_within_an_iteration(llama_dir):
+    service = make_service(llama_dir)
+    prompt = list(range(20, 36))  # 16 tokens: 4 full blocks, all computed and cached by the prefill
+    submit(service, "a", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    drain(service)
+    [stored] = service.socket.kv_events()
+    hashes = chain_hashes(prompt, 4)
+    assert list(stored.stored) == hashes and stored.seq == 1
+    # Evicted by the loop itself (what HIGH memory does) between reports: removed, never stored.
+    service.engine.evict_prefix_cache()
+    service.run_once()
+    removed = service.socket.kv_events()[-1]
+    assert removed.seq == 2 and not removed.stored and sorted(removed.removed) == sorted(hashes)
+    # Registered and evicted again within one iteration: reported as removed only.
+    submit(service, "b", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    engine = service.engine
+    outputs = engine.step()
+    assert outputs[-1].finished
+    engine.evict_prefix_cache()
+    service.run_once()
+    last = service.socket.kv_events()[-1]
+    assert last.seq == 3 and not last.stored and sorted(last.removed) == sorted(hashes)
+    service.socket.inbox.append(SNAPSHOT_REQUEST)
+    service.run_once()
+    empty = service.socket.kv_events()[-1]
+    assert empty.snapshot and empty.seq == 4 and not empty.stored  # an empty cache is a snapshot too
+
+
+def test_kv_events_and_snapshots_travel_the_real_wire(llama_dir, tmp_path):
+    endpoint = f"ipc://{tmp_path}/gw.ipc"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    service = make_service(llama_dir, endpoint=endpoint, heartbeat_interval_s=0.05)
+    service.heartbeat.start()
+    try:
+        submit(service, "a", PROMPTS["p1"])
+        for _ in range(200):
+            if not service.engine.has_unfinished_requests():
+                break
+            service.run_once()
+        assert not service.engine.has_unfinished_requests()
+        last_seq = service._kv_seq
+        assert last_seq >= 2
+        events, beat_seqs, deadline = [], [], time.monotonic() + 10
+        while not (events and events[-1].seq == last_seq and last_seq in beat_seqs):
+            assert time.monotonic() < deadline, (events, beat_seqs)
+            if router.poll(100):
+                envelope = decode(router.recv_multipart()[1])
+                if envelope.WhichOneof("body") == "kv_events":
+                    events.append(envelope.kv_events)
+                elif envelope.WhichOneof("body") == "heartbeat":
+                    beat_seqs.append(envelope.heartbeat.kv_events_seq)
+        assert [e.seq for e in events] == list(range(1, last_seq + 1))
+        cached = set(service.engine.cached_block_hashes())
+        assert {h for e in events for h in e.stored} == cached
+        # The gateway asks for a snapshot; the worker answers it in its next iteration.
+        router.send_multipart([b"worker-t", encode(SNAPSHOT_REQUEST)])
+        reply, deadline = None, time.monotonic() + 10
+        while reply is None:
+            assert time.monotonic() < deadline
+            service.run_once()
+            while reply is None and router.poll(0):
+                envelope = decode(router.recv_multipart()[1])
+                if envelope.WhichOneof("body") == "kv_events":
+                    reply = envelope
+        snapshot = reply.kv_events
+        assert snapshot.snapshot and snapshot.seq == last_seq + 1 and set(snapshot.stored) == cached
+        assert reply.worker_id == "worker-t" and reply.incarnation == service.incarnation
+    finally:
+        service.heartbeat.stop()
+        service.heartbeat.join(5)
+        service.socket.close()
+        router.close()
 
 
 # ---- health: a hung loop, a fatal error --------------------------------------------------------

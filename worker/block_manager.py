@@ -1,5 +1,10 @@
 """Paged KV-cache bookkeeping: block tables, refcounts, the free list and the hash-chained prefix cache.
-Pure Python and stdlib only: it never touches tensors or runs copies, it only says which block ids to use."""
+Pure Python and stdlib only: it never touches tensors or runs copies, it only says which block ids to use.
+
+Opt-in change tracking (`track_cache_changes`) records which block hashes the prefix cache
+registered and dropped since the last `drain_cache_changes`, one entry per hash in its state at
+the end of the interval, so a worker can report its cache to the gateway (KvEvents) in O(changes).
+Off by default: offline engine use accumulates nothing."""
 
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class BlockManager:
         self._hash_to_block_id: dict[bytes, int] = {}
         self._block_id_to_hash: dict[int, bytes] = {}
         self._requests: dict[str, _Request] = {}
+        # Hash -> cached at the end of the interval (True: registered, False: dropped); None: not tracking.
+        self._changes: dict[bytes, bool] | None = None
 
     # ---- pool state -------------------------------------------------------------------------
 
@@ -135,7 +142,10 @@ class BlockManager:
         return block_id
 
     def _drop_hash(self, block_id: int) -> None:
-        del self._hash_to_block_id[self._block_id_to_hash.pop(block_id)]
+        block_hash = self._block_id_to_hash.pop(block_id)
+        del self._hash_to_block_id[block_hash]
+        if self._changes is not None:
+            self._changes[block_hash] = False
 
     # ---- prefix cache -----------------------------------------------------------------------
 
@@ -159,8 +169,29 @@ class BlockManager:
             if block_hash not in self._hash_to_block_id and block_id not in self._block_id_to_hash:
                 self._hash_to_block_id[block_hash] = block_id
                 self._block_id_to_hash[block_id] = block_hash
+                if self._changes is not None:
+                    self._changes[block_hash] = True
             req.num_hashed_blocks = i + 1
             req.last_hash = block_hash
+
+    def track_cache_changes(self) -> None:
+        """Start recording registered and dropped hashes for drain_cache_changes (idempotent)."""
+        if self._changes is None:
+            self._changes = {}
+
+    def drain_cache_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) hashes since the last drain, each hash once in its final state; clears them.
+        A hash registered and dropped within one interval is removed, dropped and re-registered is stored."""
+        if not self._changes:
+            return [], []
+        changes, self._changes = self._changes, {}
+        stored = [h for h, cached in changes.items() if cached]
+        removed = [h for h, cached in changes.items() if not cached]
+        return stored, removed
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash registered in the prefix cache now, held by a request or evictable."""
+        return list(self._hash_to_block_id)
 
     # ---- release ----------------------------------------------------------------------------
 
@@ -222,3 +253,5 @@ class BlockManager:
         ), "hash->block and block->hash maps are not mutual inverses"
         assert all(b in self._block_id_to_hash for b in evictable), "an evictable block has no hash"
         assert not (free & self._block_id_to_hash.keys()), "a block on the free list still has a hash"
+        assert all((h in self._hash_to_block_id) == cached for h, cached in (self._changes or {}).items()), (
+            "a tracked change disagrees with the prefix cache")

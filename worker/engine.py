@@ -3,7 +3,9 @@
 `Engine.from_model_dir` builds the parts (worker/engine_builder.py) from a local Hugging Face
 folder and the engine wires them; `add_request` / `abort` / `step` drive it one iteration at a
 time (what the worker process wraps), and `generate` runs a whole batch offline. Every change
-to a request is the scheduler's; the engine runs steps and reports deltas.
+to a request is the scheduler's; the engine runs steps and reports deltas. It also exposes
+what the worker loop reads and acts with: stats, the KV pool's usage, prefix-cache eviction,
+and the prefix cache's block hashes for KV events (tracked only once `track_kv_events` is called).
 """
 from __future__ import annotations
 
@@ -243,6 +245,18 @@ class Engine:
     def evict_prefix_cache(self, max_blocks: int | None = None) -> int:
         """Evict up to max_blocks (all if None) unreferenced prefix-cache blocks; returns how many."""
         return self.block_manager.evict(max_blocks)
+
+    def track_kv_events(self) -> None:
+        """Record the prefix cache's registered and dropped block hashes from now on, for drain_kv_events."""
+        self.block_manager.track_cache_changes()
+
+    def drain_kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) block hashes since the last drain, each in its final state; empty unless tracking."""
+        return self.block_manager.drain_cache_changes()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hash of every block in the prefix cache now (shared/block_hash.py chain hashes)."""
+        return self.block_manager.cached_hashes()
 
     def empty_device_cache(self) -> None:
         """Give the CUDA caching allocator's unused blocks back to the driver. It costs the next

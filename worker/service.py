@@ -5,6 +5,12 @@ step in flight. On CUDA every step runs on the worker's own stream. The loop own
 engine; the heartbeat and watchdog threads only read. Memory (DESIGN.md section 4): the
 watchdog reports a level, this loop decides what it calls for, the scheduler and engine act.
 A fatal error tells the gateway (WorkerExit) and exits non-zero, so the supervisor restarts us.
+
+KV events: after each step (before its outputs) the loop sends the prefix-cache blocks registered
+and dropped since the last report (KvEvents, seq 1, 2, ... per incarnation), and a full snapshot when the
+gateway asks (KvSnapshotRequest). The heartbeat carries the last seq sent, published only after
+the send, so it never reports a seq not yet sent (heartbeats travel on their own socket, so one
+can still overtake the report it counts).
 """
 from __future__ import annotations
 
@@ -47,6 +53,8 @@ class WorkerService:
         self.config = config
         self.worker_id = worker_id
         self.engine = engine or Engine.from_model_dir(config.model_dir, engine_config(config))
+        self.engine.track_kv_events()
+        self._kv_seq = 0  # the last KvEvents seq sent by this incarnation
         self.device = self.engine.device
         # The worker's own stream: its kernels never queue behind another context's default stream.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -129,7 +137,12 @@ class WorkerService:
                 outputs = engine.step()
             if self.stream is not None:
                 self.stream.synchronize()  # the sampled ids are read on the host right after
+            # Before the outputs: a reply's blocks are in the gateway's index before the client
+            # can send the conversation's next turn.
+            self._send_kv_events()
             self._emit(outputs, (time.perf_counter() - started) * 1e3)
+        # Memory relief evicts between steps too; before _publish, so no heartbeat names an unsent seq.
+        self._send_kv_events()
         self.progress.record(engine.has_unfinished_requests())
         self._publish()
 
@@ -188,6 +201,8 @@ class WorkerService:
                 self.engine.abort(request_id)
         elif kind == "probe":
             self._probe(envelope.probe)
+        elif kind == "kv_snapshot_request":
+            self._send_kv_snapshot()
         else:
             log.warning("%s: ignoring a %s message", self.worker_id, kind)
 
@@ -247,6 +262,24 @@ class WorkerService:
         if deltas:
             self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas, step_ms=step_ms)))
 
+    # ---- KV events: what the prefix cache holds, for the gateway's routing ------------------
+    def _send_kv_events(self) -> None:
+        """One report of the blocks registered and dropped since the last, if there were any."""
+        stored, removed = self.engine.drain_kv_events()
+        if stored or removed:
+            self._send_kv(stored=stored, removed=removed)
+
+    def _send_kv_snapshot(self) -> None:
+        """Every cached block; the changes not yet reported are in it, so they are dropped."""
+        self.engine.drain_kv_events()
+        self._send_kv(snapshot=True, stored=self.engine.cached_block_hashes())
+
+    def _send_kv(self, **fields) -> None:
+        # The seq advances even when the send is dropped: the gap tells the gateway to ask for a snapshot.
+        self._kv_seq += 1
+        self.socket.send(worker_pb2.Envelope(kv_events=worker_pb2.KvEvents(
+            seq=self._kv_seq, block_size=self.engine.config.block_size, **fields)))
+
     def _publish(self) -> None:
         stats = self.engine.stats()
         self.heartbeat.snapshot = LoadSnapshot(
@@ -255,4 +288,4 @@ class WorkerService:
             kv_blocks_free=stats.kv_blocks_free, kv_blocks_cached=stats.kv_blocks_cached,
             num_prefix_query_tokens=stats.num_prefix_query_tokens, num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
             num_preemptions=stats.num_preemptions, num_steps=stats.num_steps,
-            num_oom_recoveries=stats.num_oom_recoveries)
+            num_oom_recoveries=stats.num_oom_recoveries, kv_events_seq=self._kv_seq)

@@ -3,7 +3,8 @@
 The heartbeat runs on its own thread with its own socket, so a long step never makes a live
 worker look dead: liveness stays cheap and truthful. Readiness is judged at send time from what
 the loop last published, how long ago the loop last made progress, and the watchdog's level;
-a hung loop turns the worker not-ready while its heartbeats keep flowing.
+a hung loop turns the worker not-ready while its heartbeats keep flowing. A heartbeat also
+carries the seq of the last KvEvents report the loop sent, so the gateway can spot a lost one.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class LoadSnapshot:
     num_preemptions: int = 0
     num_steps: int = 0
     num_oom_recoveries: int = 0
+    kv_events_seq: int = 0  # the last KvEvents seq sent, never one not yet sent
 
 
 class LoopProgress:
@@ -94,7 +96,7 @@ def build_heartbeat(s: LoadSnapshot, info: StaticInfo, progress: LoopProgress, m
         utilization_percent=m.utilization_percent,
         num_prefix_query_tokens=s.num_prefix_query_tokens, num_prefix_hit_tokens=s.num_prefix_hit_tokens,
         num_preemptions=s.num_preemptions, num_steps=s.num_steps, num_oom_recoveries=s.num_oom_recoveries,
-        is_hung=hung, is_draining=s.is_draining)
+        is_hung=hung, is_draining=s.is_draining, kv_events_seq=s.kv_events_seq)
 
 
 class HeartbeatThread(threading.Thread):
