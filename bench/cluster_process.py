@@ -57,9 +57,13 @@ class ClusterProcess:
     """`with ClusterProcess(model_dir, 1, {"worker": {...}, "queues": {...}}) as c:` then load c.address."""
 
     def __init__(self, model_dir: Path, num_workers: int = 1, sections: dict[str, dict] | None = None,
-                 gateway_module: list[str] | None = None, worker_module: list[str] | None = None):
+                 gateway_module: list[str] | None = None, worker_module: list[str] | None = None,
+                 api_key: str | None = None, tls_root: bytes | None = None):
         """gateway_module / worker_module replace `gateway` / `worker` after `python -m` (e.g. to run the
-        gateway under cProfile, or a model-free worker); the worker gets `--worker-id ID` appended."""
+        gateway under cProfile, or a model-free worker); the worker gets `--worker-id ID` appended.
+        `api_key` is sent on this object's own calls; `tls_root` (a CA's PEM) makes them over TLS."""
+        self.api_key = api_key
+        self.tls_root = tls_root
         self.gateway_module = gateway_module or ["gateway"]
         self.worker_module = worker_module or ["worker"]
         self.run_dir = Path(tempfile.mkdtemp(prefix="icb-"))
@@ -97,14 +101,15 @@ class ClusterProcess:
     def wait_ready(self, timeout_s: float) -> inference_pb2.ClusterStatus:
         deadline = time.monotonic() + timeout_s
         last = None
-        with grpc.insecure_channel(self.address) as channel:
+        with self.open_channel() as channel:
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             while time.monotonic() < deadline:
                 for name, proc in self.procs.items():
                     if proc.poll() is not None:
                         raise RuntimeError(f"{name} exited {proc.returncode} during start-up:\n{self.logs(name)}")
                 try:
-                    last = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=2)
+                    last = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=2,
+                                                 metadata=self.metadata)
                     if sum(w.ready for w in last.workers) >= self.num_workers:
                         return last
                 except grpc.RpcError:
@@ -112,6 +117,15 @@ class ClusterProcess:
                 time.sleep(0.2)
         raise TimeoutError(f"{self.num_workers} workers not ready within {timeout_s:.0f} s; last status: {last}\n"
                            + "\n".join(self.logs(n) for n in self.procs))
+
+    def open_channel(self) -> grpc.Channel:
+        if self.tls_root is None:
+            return grpc.insecure_channel(self.address)
+        return grpc.secure_channel(self.address, grpc.ssl_channel_credentials(self.tls_root))
+
+    @property
+    def metadata(self) -> tuple:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
 
     def pids(self) -> dict[str, list[int]]:
         """Each process and its descendants (a worker may have helper processes)."""

@@ -8,6 +8,14 @@ hop, gateway, gRPC stream, client) adds per token, with no model competing for t
 Both processes read CLOCK_MONOTONIC (time.perf_counter on Linux), so the times compare directly.
 On SIGTERM it writes the trace {request_id: [send time of each step that gave it tokens]}.
 It depends only on the wire contract, not on the worker's internals, which change independently.
+
+Prefix cache (bench/fake_prefix_cache.py, `--cache-blocks` in a pool of that many blocks): each
+request reuses the cached full blocks of its prompt, reports them as num_cached_tokens, registers
+its prompt's blocks once prefilled and its generated tokens' when it finishes, and the worker
+reports what changed (KvEvents, seq 1, 2, ... before the heartbeat that counts them) and answers
+KvSnapshotRequest, as a real worker does. `--prefill-us-per-token F` > 0 simulates prefill: the
+worker prefills one request at a time, F per uncached prompt token, and a request's first token
+comes at max(one step, its prefill's end); 0 (the default) gives it its first token at the next step.
 """
 
 from __future__ import annotations
@@ -17,24 +25,45 @@ import json
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from bench.fake_prefix_cache import FakePrefixCache
 from protos import worker_pb2
 from shared.config import add_config_flags, config_from_args
-from shared.ipc import WorkerSocket, new_incarnation
+from shared.ipc import connect_worker_socket, new_incarnation
+from shared.model_fingerprint import model_fingerprint
 
-FAKE_KV_BLOCKS = 100_000
+FAKE_KV_BLOCKS = 100_000  # the default pool: large enough that nothing is ever evicted
 TOKEN_ID = 100  # any ordinary id: the gateway detokenizes it like a real one
+IDLE_POLL_S = 0.02
+
+
+@dataclass
+class _Running:
+    token_ids: list[int]  # prompt, then every token generated (those streamed before a resume included)
+    num_left: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    ready_s: float | None  # prefilling until then; None: in the step cadence
+    is_prefilled: bool = False
 
 
 class FakeWorker:
-    def __init__(self, config, worker_id: str, step_s: float, trace_path: Path):
+    def __init__(self, config, worker_id: str, step_s: float, trace_path: Path, cache_blocks: int = FAKE_KV_BLOCKS,
+                 prefill_s_per_token: float = 0.0):
         self.step_s = step_s
         self.trace_path = trace_path
         self.worker = config.worker
-        self.socket = WorkerSocket(config.worker_endpoint, worker_id, new_incarnation())
+        # It detokenizes nothing, but the gateway's tokenizer must match what it "serves": the config's model.
+        self.model_name, self.model_fingerprint = Path(config.model_dir).name, model_fingerprint(config.model_dir)
+        self.socket = connect_worker_socket(config, worker_id, new_incarnation())  # with the keys the policy gives it
+        self.cache = FakePrefixCache(cache_blocks, config.worker.block_size)
+        self.prefill_s_per_token = prefill_s_per_token
+        self.prefill_free_s = 0.0  # when the simulated prefill of the requests admitted so far ends
+        self.kv_seq = 0  # the last KvEvents seq sent
         self.next_heartbeat = 0.0
-        self.running: dict[str, list[int]] = {}  # request id -> [tokens left, prompt tokens]
+        self.running: dict[str, _Running] = {}
         self.trace: dict[str, list[float]] = {}
         self.stopping = False
 
@@ -44,38 +73,82 @@ class FakeWorker:
         if now < self.next_heartbeat:
             return
         self.next_heartbeat = now + self.worker.heartbeat_interval_s
-        w = self.worker
+        w, c = self.worker, self.cache
         self.socket.send(worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat(
             ready=True, num_running=len(self.running), max_num_seqs=w.max_num_seqs, max_queued=w.max_queued,
-            kv_blocks_total=FAKE_KV_BLOCKS, kv_blocks_free=FAKE_KV_BLOCKS, block_size=w.block_size,
-            max_model_len=1 << 20, vocab_size=1 << 20, memory_level="OK", device="fake")))
+            kv_blocks_total=c.num_blocks, kv_blocks_free=c.num_free_blocks, kv_blocks_cached=c.num_evictable_blocks,
+            block_size=w.block_size, max_model_len=1 << 20, vocab_size=1 << 20, memory_level="OK", device="fake",
+            num_prefix_query_tokens=c.num_prefix_query_tokens, num_prefix_hit_tokens=c.num_prefix_hit_tokens,
+            kv_events_seq=self.kv_seq, model_fingerprint=self.model_fingerprint, model_name=self.model_name)))
 
     def _handle(self, envelope: worker_pb2.Envelope) -> None:
         kind = envelope.WhichOneof("body")
         if kind == "submit":
+            now = time.perf_counter()
             for r in envelope.submit.requests:
-                left = r.sampling.max_tokens - len(r.output_token_ids)
-                self.running[r.request_id] = [left, len(r.prompt_token_ids)]
+                self._admit(r, now)
         elif kind == "abort":
             for request_id in envelope.abort.request_ids:
-                self.running.pop(request_id, None)
+                if self.running.pop(request_id, None) is not None:
+                    self.cache.release(request_id)
+        elif kind == "kv_snapshot_request":
+            self._send_kv(snapshot=True, stored=self.cache.snapshot())
 
-    def _step(self) -> None:
-        deltas = []
-        for request_id, entry in list(self.running.items()):
-            entry[0] -= 1
-            finished = entry[0] <= 0
-            deltas.append(worker_pb2.TokenDelta(request_id=request_id, new_token_ids=[TOKEN_ID], finished=finished,
-                                                finish_reason="length" if finished else "",
-                                                num_prompt_tokens=entry[1]))
-            if finished:
-                del self.running[request_id]
-        if deltas:
-            sent = time.perf_counter()
-            self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas,
-                                                                                step_ms=self.step_s * 1e3)))
-            for d in deltas:
-                self.trace.setdefault(d.request_id, []).append(sent)
+    def _admit(self, r: worker_pb2.WireRequest, now: float) -> None:
+        if r.request_id in self.running:  # a repeat of a request still running here: start it over
+            self.running.pop(r.request_id)
+            self.cache.release(r.request_id)
+        token_ids = [*r.prompt_token_ids, *r.output_token_ids]
+        cached = self.cache.admit(r.request_id, token_ids)
+        ready_s = None
+        if self.prefill_s_per_token > 0:
+            # One prefill at a time, as one model would run them: this one starts when the last ends.
+            self.prefill_free_s = max(now, self.prefill_free_s) + (len(token_ids) - cached) * self.prefill_s_per_token
+            ready_s = max(now + self.step_s, self.prefill_free_s)
+        self.running[r.request_id] = _Running(token_ids, r.sampling.max_tokens - len(r.output_token_ids),
+                                              len(r.prompt_token_ids), cached, ready_s)
+
+    def _give_token(self, request_id: str, entry: _Running) -> worker_pb2.TokenDelta:
+        if not entry.is_prefilled:  # the prompt's KV is computed: its full blocks are cacheable now
+            self.cache.register(request_id, entry.token_ids)
+            entry.is_prefilled = True
+        entry.token_ids.append(TOKEN_ID)
+        entry.num_left -= 1
+        finished = entry.num_left <= 0
+        if finished:
+            # Every token but the last sampled one has its KV computed.
+            self.cache.register(request_id, entry.token_ids[:-1])
+            self.cache.release(request_id)
+            del self.running[request_id]
+        else:
+            self.cache.grow(request_id, len(entry.token_ids))
+        return worker_pb2.TokenDelta(request_id=request_id, new_token_ids=[TOKEN_ID], finished=finished,
+                                     finish_reason="length" if finished else "",
+                                     num_prompt_tokens=entry.num_prompt_tokens,
+                                     num_cached_tokens=entry.num_cached_tokens)
+
+    def _send(self, deltas: list[worker_pb2.TokenDelta]) -> None:
+        if not deltas:
+            return
+        sent = time.perf_counter()
+        self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas, step_ms=self.step_s * 1e3)))
+        for d in deltas:
+            self.trace.setdefault(d.request_id, []).append(sent)
+
+    def _send_kv_events(self) -> None:
+        stored, removed = self.cache.drain_events()
+        if stored or removed:
+            self._send_kv(stored=stored, removed=removed)
+
+    def _send_kv(self, **fields) -> None:
+        self.kv_seq += 1
+        self.socket.send(worker_pb2.Envelope(kv_events=worker_pb2.KvEvents(
+            seq=self.kv_seq, block_size=self.cache.block_size, **fields)))
+
+    def _wake_s(self, now: float, next_step: float) -> float:
+        stepping = any(e.ready_s is None for e in self.running.values())
+        due = [e.ready_s for e in self.running.values() if e.ready_s is not None]
+        return min([next_step if stepping else now + IDLE_POLL_S, *due])
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -83,16 +156,24 @@ class FakeWorker:
         next_step = time.perf_counter()
         try:
             while not self.stopping:
-                timeout = max(0.0, next_step - time.perf_counter()) if self.running else 0.02
-                for envelope in self.socket.recv_all(timeout):
+                now = time.perf_counter()
+                for envelope in self.socket.recv_all(max(0.0, self._wake_s(now, next_step) - now)):
                     self._handle(envelope)
                 now = time.perf_counter()
-                if self.running and now >= next_step:
-                    self._step()
+                stepping = [rid for rid, e in self.running.items() if e.ready_s is None]
+                deltas = []
+                if stepping and now >= next_step:
+                    deltas = [self._give_token(rid, self.running[rid]) for rid in stepping]
                     # Fixed cadence like a model whose step always takes step_s.
                     next_step = max(next_step + self.step_s, now)
-                elif not self.running:
+                elif not stepping:
                     next_step = now + self.step_s  # a new request's first token comes one step after it lands
+                for rid, e in list(self.running.items()):
+                    if e.ready_s is not None and now >= e.ready_s:  # prefill done: its first token, at once
+                        e.ready_s = None
+                        deltas.append(self._give_token(rid, e))
+                self._send(deltas)
+                self._send_kv_events()  # before the heartbeat that counts them
                 self._heartbeat()
         finally:
             self.trace_path.write_text(json.dumps(self.trace))
@@ -104,13 +185,18 @@ class FakeWorker:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker-id", required=True)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--trace", type=Path, required=True)
+    p.add_argument("--cache-blocks", type=int, default=FAKE_KV_BLOCKS, help="KV pool (and prefix cache) in blocks")
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                   help="simulated prefill time per uncached prompt token (0: none)")
     add_config_flags(p)
     args = p.parse_args(argv)
-    return FakeWorker(config_from_args(args), args.worker_id, args.step_ms / 1e3, args.trace).run()
+    return FakeWorker(config_from_args(args), args.worker_id, args.step_ms / 1e3, args.trace, args.cache_blocks,
+                      args.prefill_us_per_token / 1e6).run()
 
 
 if __name__ == "__main__":

@@ -31,8 +31,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run as a supervisor that restarts the gateway process whenever it exits")
     add_config_flags(parser)
     args = parser.parse_args(argv)
+    from gateway.auth import KeyStore, check_exposure
+    from shared.curve import GATEWAY as GATEWAY_ROLE, transport_keys
     try:
         config = config_from_args(args)
+        # Checked before any supervisor loop, so an exposed start fails once, with the reason.
+        check_exposure(config.gateway, KeyStore.from_config(config.gateway))
+        transport_keys(config, GATEWAY_ROLE)
     except ConfigError as e:
         parser.error(str(e))
     if args.supervise:

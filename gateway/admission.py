@@ -2,8 +2,9 @@
 queued RequestState, or a Refusal naming the problem and the status to answer with.
 
 One path for both APIs, so the bounds, the tokenizing off the loop, the duplicate-id check, the
-live-worker check, the deadline and the queue bounds hold the same whichever protocol a client
-speaks. Each refusal is logged and counted here, once; the front door only translates it (a gRPC
+live-worker check, the deadline, the queue bounds and the caller's API key (gateway/auth.py:
+who it is, its rate limits, its streams and its priority floor) hold the same whichever protocol
+a client speaks. Each refusal is logged and counted here, once; the front door only translates it (a gRPC
 status, or an HTTP status with OpenAI's error body). `prepare` does the work done once per request
 (checks and tokenizing); `enqueue` queues one sequence of it, so `n` choices of one prompt are
 tokenized once.
@@ -13,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from typing import Callable, Iterator
 
 import grpc
 
+from gateway.auth import ANONYMOUS, KeyStore, Principal, retry_after_ms
 from gateway.constraints import ConstraintCompiler
 from gateway.dispatcher import Dispatcher
 from gateway.offload import RELEASE_MIN_CHARS, Offload, OffloadBusyError, should_offload
@@ -43,8 +46,9 @@ class Refusal(Exception):
 
 class Admission:
     def __init__(self, config: ClusterConfig, tokenizer: Tokenizer, dispatcher: Dispatcher,
-                 offload: Offload | None = None):
+                 offload: Offload | None = None, keys: KeyStore | None = None):
         self.config = config
+        self.keys = keys or KeyStore([])
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
         self.metrics = dispatcher.metrics
@@ -57,43 +61,66 @@ class Admission:
         self.streams_idle = asyncio.Event()
         self.streams_idle.set()
 
-    # ---- streams -----------------------------------------------------------------------------------
-    def acquire_stream(self, request_id: str) -> None:
-        """Take one of the gateway's stream slots for a request's whole life, or refuse it; every
-        acquire is paired with one `release_stream`."""
+    # ---- callers and streams ------------------------------------------------------------------------
+    def authenticate(self, request_id: str, authorization: str | None) -> Principal:
+        """The caller's principal, or an UNAUTHENTICATED refusal before any work is done."""
+        principal = self.keys.authenticate(authorization)
+        if principal is None:
+            self.refuse(request_id, grpc.StatusCode.UNAUTHENTICATED,
+                        "a valid API key is required: send it as `authorization: Bearer KEY`" if authorization is None
+                        else "the API key is not valid")
+        return principal
+
+    def acquire_stream(self, request_id: str, principal: Principal = ANONYMOUS) -> None:
+        """Take one of the gateway's stream slots (and one of the caller's) for a request's whole
+        life, or refuse it; every acquire is paired with one `release_stream`. The caller's
+        request rate is charged here, before any work."""
         if self.draining:
-            self.refuse(request_id, grpc.StatusCode.UNAVAILABLE, "the gateway is draining for shutdown; retry elsewhere")
+            self.refuse(request_id, grpc.StatusCode.UNAVAILABLE,
+                        "the gateway is draining for shutdown; retry elsewhere", principal=principal)
         limit = self.config.gateway.max_concurrent_streams
         if self.num_streams >= limit:
-            self.exhausted(request_id, f"the gateway already serves its maximum of {limit} streams")
+            self.exhausted(request_id, f"the gateway already serves its maximum of {limit} streams", principal)
+        spec = principal.spec
+        if spec.max_streams and principal.num_streams >= spec.max_streams:
+            self.exhausted(request_id, f"API key {spec.name!r} already has its maximum of {spec.max_streams} streams "
+                                       f"open", principal)
+        if principal.requests is not None and (wait_s := principal.requests.take(1, time.monotonic())):
+            self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"API key {spec.name!r} is over its rate limit of {spec.requests_per_minute:g} requests per "
+                        f"minute; retry after {retry_after_ms(wait_s)} ms", retry_after_ms(wait_s), principal)
         self.num_streams += 1
+        principal.num_streams += 1
         self.streams_idle.clear()
 
-    def release_stream(self) -> None:
+    def release_stream(self, principal: Principal = ANONYMOUS) -> None:
         self.num_streams -= 1
+        principal.num_streams -= 1
         if self.num_streams == 0:
             self.streams_idle.set()
 
     @contextlib.contextmanager
-    def stream(self, request_id: str) -> Iterator[None]:
-        self.acquire_stream(request_id)
+    def stream(self, request_id: str, principal: Principal = ANONYMOUS) -> Iterator[None]:
+        self.acquire_stream(request_id, principal)
         try:
             yield
         finally:
-            self.release_stream()
+            self.release_stream(principal)
 
     # ---- admission ---------------------------------------------------------------------------------
     async def prepare(self, request: inference_pb2.GenerateRequest, request_id: str,
-                      cancelled_status: Callable[[], grpc.StatusCode]) -> ValidatedRequest:
+                      cancelled_status: Callable[[], grpc.StatusCode], principal: Principal = ANONYMOUS,
+                      copies: int = 1) -> ValidatedRequest:
         """Check, then tokenize and validate; large inputs on a pool thread. `cancelled_status` names
-        the status a client that went away while its prompt was tokenized saw, for the log."""
+        the status a client that went away while its prompt was tokenized saw, for the log. The
+        caller's tokens per minute are charged for `copies` sequences of prompt + max_tokens."""
         try:
             check_request_id(request_id)
             num_chars = check_sizes(request, self.config.gateway)  # lengths only: before any work on contents
         except InvalidRequest as e:
             self.refuse(request_id, e.code, e.message)
-        if self.dispatcher.requests.is_live(request_id):  # cheap to tell now; checked again at submit
-            self.refuse_duplicate(request_id)
+        if self.dispatcher.requests.is_live(request_id, principal.name):  # cheap now; checked again at submit
+            self.refuse_duplicate(request_id, principal)
         args = (request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens, self.constraints)
         try:
             # A constraint is checked against the vocabulary (a lexer build): never on the loop.
@@ -102,19 +129,34 @@ class Admission:
             else:
                 checked = validate(*args)
         except InvalidRequest as e:
-            self.refuse(request_id, e.code, e.message)
+            self.refuse(request_id, e.code, e.message, principal=principal)
         except OffloadBusyError as e:
-            self.exhausted(request_id, str(e))
+            self.exhausted(request_id, str(e), principal)
         except asyncio.CancelledError:
-            refuse_request(request_id, cancelled_status().name, "the request ended while its prompt was being tokenized",
-                           self.metrics)
+            refuse_request(request_id, cancelled_status().name,
+                           "the request ended while its prompt was being tokenized", self.metrics, principal.name)
             raise
         if not self.dispatcher.has_live_worker():
-            self.refuse(request_id, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests")
+            self.refuse(request_id, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests",
+                        principal=principal)
+        if principal.tokens is not None:
+            self._charge_tokens(request_id, principal, copies * (len(checked.prompt_ids) + checked.params.max_tokens))
         return checked
 
+    def _charge_tokens(self, request_id: str, principal: Principal, num_tokens: int) -> None:
+        wait_s = principal.tokens.take(num_tokens, time.monotonic())
+        if not wait_s:
+            return
+        spec = principal.spec
+        hint = ("it is more than the key may use in a minute" if retry_after_ms(wait_s) is None
+                else f"retry after {retry_after_ms(wait_s)} ms")
+        self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"API key {spec.name!r} is over its rate limit of {spec.tokens_per_minute:g} tokens per minute: "
+                    f"this request needs {num_tokens} (prompt + max_tokens); {hint}", retry_after_ms(wait_s), principal)
+
     def enqueue(self, checked: ValidatedRequest, request_id: str, arrival_s: float, timeout_s: float | None,
-                params: SamplingParams | None = None, session_id: str = "") -> RequestState:
+                params: SamplingParams | None = None, session_id: str = "", principal: Principal = ANONYMOUS
+                ) -> RequestState:
         """Queue one sequence of a prepared request (with `params` in place of its own, for the
         n-th choice of several, and `session_id` when the request names none), within the client's
         timeout and the gateway's own."""
@@ -123,22 +165,23 @@ class Admission:
         session_id = (checked.session_id or session_id) if self.config.dispatch.sticky_sessions else ""
         state = RequestState(request_id=request_id, internal_id=self.dispatcher.requests.new_id(),
                              prompt_ids=checked.prompt_ids, params=params or checked.params,
-                             priority=checked.priority, tokenizer=self.tokenizer, arrival_s=arrival_s,
-                             session_id=session_id,
+                             priority=principal.priority(checked.priority), tokenizer=self.tokenizer,
+                             arrival_s=arrival_s, session_id=session_id, owner=principal.name,
                              deadline_s=arrival_s + min(limits) if limits else None,
                              stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3)
         try:
             self.dispatcher.submit(state)
         except QueueFullError as e:
-            self.exhausted(request_id, str(e))
+            self.exhausted(request_id, str(e), principal)
         except DuplicateRequestError:  # another one with this id was admitted while we tokenized
-            self.refuse_duplicate(request_id)
+            self.refuse_duplicate(request_id, principal)
         return state
 
     async def admit(self, request: inference_pb2.GenerateRequest, request_id: str, arrival_s: float,
-                    timeout_s: float | None, cancelled_status: Callable[[], grpc.StatusCode]) -> RequestState:
-        checked = await self.prepare(request, request_id, cancelled_status)
-        return self.enqueue(checked, request_id, arrival_s, timeout_s)
+                    timeout_s: float | None, cancelled_status: Callable[[], grpc.StatusCode],
+                    principal: Principal = ANONYMOUS) -> RequestState:
+        checked = await self.prepare(request, request_id, cancelled_status, principal)
+        return self.enqueue(checked, request_id, arrival_s, timeout_s, principal=principal)
 
     def cancel(self, states: list[RequestState]) -> None:
         """Stop whichever of `states` are still running (the client went away or one of them failed)."""
@@ -147,16 +190,19 @@ class Admission:
                 self.dispatcher.cancel(state.internal_id)
 
     # ---- refusals ----------------------------------------------------------------------------------
-    def refuse(self, request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
-        refuse_request(request_id, code.name, message, self.metrics)
+    def refuse(self, request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+               principal: Principal = ANONYMOUS):
+        refuse_request(request_id, code.name, message, self.metrics, principal.name)
         raise Refusal(code, message, retry_after_ms)
 
-    def refuse_duplicate(self, request_id: str):
-        self.refuse(request_id, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+    def refuse_duplicate(self, request_id: str, principal: Principal = ANONYMOUS):
+        self.refuse(request_id, grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight",
+                    principal=principal)
 
-    def exhausted(self, request_id: str, message: str):
+    def exhausted(self, request_id: str, message: str, principal: Principal = ANONYMOUS):
         retry_ms = self.config.queues.retry_after_ms
-        self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {retry_ms} ms", retry_ms)
+        self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{message}; retry after {retry_ms} ms", retry_ms,
+                    principal)
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -3,13 +3,17 @@
 `python -m gateway.client status` prints each worker's health, load and memory as a table;
 `python -m gateway.client probe worker-0 --deep --memory` probes one worker.
 Flags cover chat (`--chat`, `--system`), priority, sampling, log-probabilities, a session,
-structured output (`--json-schema`, `--regex`, `--choice`) and a timeout. Exit status is 0 on
-success, 1 on a gRPC error (its status and message go to stderr).
+structured output (`--json-schema`, `--regex`, `--choice`) and a timeout. `--api-key` (or
+INFERENCE_API_KEY) sends an API key; `--tls-ca FILE` connects over TLS trusting that CA (and
+`--tls-cert` / `--tls-key` present a client certificate). Exit status is 0 on success, 1 on a
+gRPC error (its status and message go to stderr).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import grpc
 
@@ -52,12 +56,29 @@ def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
     return request
 
 
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to the gateway: TLS when --tls-ca is given, with the API key on every call."""
+    if not args.tls_ca:
+        if args.tls_cert or args.tls_key:
+            raise SystemExit("--tls-cert and --tls-key need --tls-ca")
+        return grpc.insecure_channel(args.address)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("give --tls-cert and --tls-key together")
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key),
+                                                                          read(args.tls_cert)))
+
+
+def call_metadata(args: argparse.Namespace) -> tuple:
+    return (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+
+
 def generate(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         last, logprobs = None, []
         try:
-            for response in stub.Generate(build_request(args), timeout=args.timeout):
+            for response in stub.Generate(build_request(args), timeout=args.timeout, metadata=call_metadata(args)):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 logprobs.extend(response.logprobs)
@@ -79,10 +100,11 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         try:
-            cluster = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=args.timeout)
+            cluster = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=args.timeout,
+                                            metadata=call_metadata(args))
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -91,11 +113,12 @@ def status(args: argparse.Namespace) -> int:
 
 
 def probe(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         try:
             reply = stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(
-                worker_id=args.worker_id, deep=args.deep, memory_report=args.memory), timeout=args.timeout)
+                worker_id=args.worker_id, deep=args.deep, memory_report=args.memory), timeout=args.timeout,
+                metadata=call_metadata(args))
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -129,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default="localhost:50051")
     common.add_argument("--timeout", type=float, default=None, help="the request's deadline in seconds")
+    common.add_argument("--api-key", default=os.environ.get("INFERENCE_API_KEY"),
+                        help="the API key (default: $INFERENCE_API_KEY)")
+    common.add_argument("--tls-ca", default=None, metavar="FILE", help="connect over TLS, trusting this CA (PEM)")
+    common.add_argument("--tls-cert", default=None, metavar="FILE", help="a client certificate (PEM), for mutual TLS")
+    common.add_argument("--tls-key", default=None, metavar="FILE", help="the client certificate's key (PEM)")
     if argv[:1] == ["status"]:
         parser = argparse.ArgumentParser(prog="python -m gateway.client status", parents=[common])
         return status(parser.parse_args(argv[1:]))

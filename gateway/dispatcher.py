@@ -22,6 +22,7 @@ import grpc
 
 from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
+from gateway.model_check import ModelCheck
 from gateway.prefix_index import PrefixIndex
 from gateway.queues import LengthBucketedQueue, QueuedItem
 from gateway.request_table import DuplicateRequestError, RequestTable
@@ -30,7 +31,7 @@ from gateway.streams import RequestState
 from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
 from shared.config import ClusterConfig
-from shared.ipc import GatewaySocket, WireError
+from shared.ipc import GatewaySocket, WireError, bind_gateway_socket
 from shared.wire import logprobs_from_wire, sampling_to_wire
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Dispatcher:
                                 self.metrics.loop_lag.observe)
         self.registry = WorkerRegistry(config.worker_ids, config.gateway.heartbeat_timeout_s,
                                        heard_since=self.loop_lag.heard_since)
+        self.model_check = ModelCheck(config.model_dir)
         self.requests = RequestTable()  # every request not yet finished, by internal id
         self._no_live_worker_since_s: float | None = time.monotonic()
         self.socket: GatewaySocket | None = None
@@ -68,7 +70,7 @@ class Dispatcher:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.socket = GatewaySocket(self.config.worker_endpoint)
+        self.socket = bind_gateway_socket(self.config)  # CURVE keys by shared/curve.py's policy
         self._tasks = [asyncio.create_task(coro, name=name) for name, coro in
                        (("recv", self._recv_loop()), ("dispatch", self._dispatch_loop()),
                         ("monitor", self._monitor_loop()), ("loop-lag", self.loop_lag.run()))]
@@ -84,7 +86,7 @@ class Dispatcher:
     def submit(self, state: RequestState) -> None:
         """Queue a validated request; raises QueueFullError at the queue's bounds and
         DuplicateRequestError when a live request already has its client id."""
-        if self.requests.is_live(state.request_id):  # checked before the queue takes it
+        if self.requests.is_live(state.request_id, state.owner):  # checked before the queue takes it
             raise DuplicateRequestError(state.request_id)
         item = QueuedItem(request_id=state.internal_id, num_tokens=len(state.prompt_ids), priority=state.priority,
                           arrival_s=state.arrival_s, deadline_s=state.deadline_s,
@@ -106,9 +108,9 @@ class Dispatcher:
         state.finish(reason, time.monotonic())
         return True
 
-    def cancel_by_client_id(self, request_id: str) -> bool:
-        """Abort the live request that the client calls `request_id`, if there is one."""
-        state = self.requests.by_client(request_id)
+    def cancel_by_client_id(self, request_id: str, owner: str = "") -> bool:
+        """Abort the live request that the client (API key `owner`) calls `request_id`, if there is one."""
+        state = self.requests.by_client(request_id, owner)
         return state is not None and self.cancel(state.internal_id)
 
     def has_live_worker(self) -> bool:
@@ -123,6 +125,8 @@ class Dispatcher:
                 log.warning("dropping a frame: %s", e)
                 continue
             now = time.monotonic()
+            if not self._admits(envelope, now):
+                continue
             worker = self.registry.get(envelope.worker_id)
             incarnations = worker.num_incarnations
             lost = self.registry.on_message(envelope, now)
@@ -159,6 +163,17 @@ class Dispatcher:
                 self.prefix_index.forget(envelope.worker_id)
                 self._resume(lost, now)
                 self._check_liveness(now)
+
+    def _admits(self, envelope: worker_pb2.Envelope, now: float) -> bool:
+        """False for a frame of a worker serving another model; one just refused loses its work."""
+        admitted, refused = self.model_check.admits(envelope)
+        if refused:
+            self.metrics.workers_refused.labels("model").inc()
+            if envelope.worker_id in self.registry.workers:  # an earlier incarnation's requests resume elsewhere
+                self._resume(self.registry.mark_dead(envelope.worker_id), now)
+                self.prefix_index.forget(envelope.worker_id)
+                self._check_liveness(now)
+        return admitted
 
     def _on_outputs(self, worker_id: str, outputs: worker_pb2.StepOutputs, now: float) -> None:
         stale = []
@@ -321,6 +336,10 @@ class Dispatcher:
             log.warning("%s missed heartbeats for %.1f s; resuming its %d requests elsewhere", worker_id,
                         self.config.gateway.heartbeat_timeout_s, len(lost))
             self._resume(lost, now)
+        for worker_id in self.registry.forget_departed(now, self.config.gateway.forget_worker_after_s):
+            log.info("%s left (silent for %.0f s); forgetting it", worker_id, self.config.gateway.forget_worker_after_s)
+            self.prefix_index.forget(worker_id)
+            self.metrics.forget_worker(worker_id)
         if self.registry.live(now):
             self._no_live_worker_since_s = None
         else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 import uuid
 from pathlib import Path
@@ -29,8 +28,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Admission, Refusal, choice_params
-from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
-from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
+from gateway.http_auth import ApiKeyCheck, principal_of
+from gateway.http_errors import ApiError, http_error, internal_error, validation_error
+from gateway.openai_requests import HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
+from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, sse_error
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from gateway.request_log import refuse_request
@@ -39,39 +40,6 @@ from protos import inference_pb2
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds, like the body's `timeout`
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 503, 504)}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, logged: bool = False):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
-        self.logged = logged  # already in the request log (admission logs its own refusals)
-
-    @classmethod
-    def from_code(cls, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
-                  logged: bool = False) -> "ApiError":
-        headers = {"retry-after": str(max(1, math.ceil(retry_after_ms / 1e3)))} if retry_after_ms is not None else {}
-        status = HTTP_STATUS.get(code, 500)
-        return cls(status, message, _param_of(message) if status == 400 else None, code.name.lower(), headers, logged)
-
-    def response(self) -> JSONResponse:
-        body = error_body(self.message, ERROR_TYPE.get(self.status, "server_error"), self.param, self.code)
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-# The fields a refusal's message may begin with (validation names the field first).
-_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
-    "prompt_token_ids", "request_id", "messages", "logit_bias"}
-_LEADING_NAME = re.compile(r"^(?:the )?([a-z_]+)(\[\d+\])?")
-
-
-def _param_of(message: str) -> str | None:
-    """The body field an admission message names first, as `param` (e.g. "temperature must be ...")."""
-    match = _LEADING_NAME.match(message)
-    if match and match.group(1) in _FIELDS:
-        return match.group(1) + (match.group(2) or "")
-    return None
 
 
 # Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
@@ -98,9 +66,9 @@ class OpenAiApi:
         app = FastAPI(title="inference-cluster: OpenAI-compatible API", version="1",
                       docs_url=None, redoc_url=None)
         app.add_exception_handler(ApiError, self._answer_error)
-        app.add_exception_handler(RequestValidationError, lambda r, e: self._answer_error(r, _validation_error(e)))
-        app.add_exception_handler(StarletteHTTPException, lambda r, e: self._answer_error(r, _http_error(e)))
-        app.add_exception_handler(Exception, _internal_error)
+        app.add_exception_handler(RequestValidationError, lambda r, e: self._answer_error(r, validation_error(e)))
+        app.add_exception_handler(StarletteHTTPException, lambda r, e: self._answer_error(r, http_error(e)))
+        app.add_exception_handler(Exception, internal_error)
         app.get("/v1/models", response_model=ModelList)(self.models)
         app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
         app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)(self.completions)
@@ -108,6 +76,7 @@ class OpenAiApi:
         app.get("/health", responses={503: {"description": "draining, or no worker ready"}})(self.health)
         app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
         app.openapi = lambda: _without_422(app)
+        app.add_middleware(ApiKeyCheck, admission=self.admission)
         return app
 
     def _answer_error(self, http: Request, e: ApiError) -> JSONResponse:
@@ -164,8 +133,9 @@ class OpenAiApi:
                         presentation: Presentation, body_timeout: float | None, chat: bool):
         arrival_s = time.monotonic()
         timeout_s = _timeout(http, body_timeout)
+        principal = principal_of(http.scope)
         try:
-            self.admission.acquire_stream(request_id)
+            self.admission.acquire_stream(request_id, principal)
         except Refusal as e:
             raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
         streaming = False
@@ -185,7 +155,7 @@ class OpenAiApi:
 
             def close() -> None:
                 if sequences.close():
-                    self.admission.release_stream()
+                    self.admission.release_stream(principal)
 
             return SequenceStream(self._stream(sequences, choices, builder, first), close,
                                   headers={**_headers(request_id, choices), "cache-control": "no-cache"})
@@ -196,7 +166,7 @@ class OpenAiApi:
             return Response(status_code=499)
         finally:
             if not streaming:
-                self.admission.release_stream()
+                self.admission.release_stream(principal)
 
     async def _admit(self, http: Request, request_id: str, requests: list[inference_pb2.GenerateRequest],
                      presentation: Presentation, arrival_s: float, timeout_s: float | None) -> Sequences:
@@ -210,8 +180,11 @@ class OpenAiApi:
             raise ApiError(400, f"{len(requests)} prompts x n={n} = {total} sequences; the gateway queues at most "
                                 f"{limit} (queues.max_queued_requests)", "n")
 
+        principal = principal_of(http.scope)
+
         async def prepare_all():
-            return [await self.admission.prepare(r, request_id, lambda: grpc.StatusCode.CANCELLED) for r in requests]
+            return [await self.admission.prepare(r, request_id, lambda: grpc.StatusCode.CANCELLED, principal, copies=n)
+                    for r in requests]
 
         try:
             prepared = await _until_disconnect(http, prepare_all(), lambda: None)
@@ -226,7 +199,8 @@ class OpenAiApi:
                     # prefills their shared prompt once.
                     states.append(self.admission.enqueue(checked, sequence_id, arrival_s, timeout_s,
                                                          choice_params(checked.params, j),
-                                                         session_id=f"{request_id}-p{p}" if n > 1 else ""))
+                                                         session_id=f"{request_id}-p{p}" if n > 1 else "",
+                                                         principal=principal))
         except Refusal as e:
             Sequences(self.admission, states).close(e.code)
             raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
@@ -361,37 +335,3 @@ def _headers(request_id: str, choices: list[Choice], timing: bool = False) -> di
         headers.update({"x-queue-ms": f"{state.queue_ms:.3f}", "x-ttft-ms": f"{state.ttft_ms:.3f}",
                         "x-total-ms": f"{((state.finished_s or time.monotonic()) - state.arrival_s) * 1e3:.3f}"})
     return headers
-
-
-_UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _client_path(loc) -> str:
-    """A pydantic error location as the client wrote it: no `body` root, no union branch names."""
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(p for p in parts if p not in _UNION_BRANCHES and "[" not in p and not p.startswith("function-"))
-
-
-def _validation_error(e: RequestValidationError) -> ApiError:
-    errors = e.errors() or [{"loc": (), "msg": "invalid body", "type": "invalid"}]
-    # Of a union's branches, the one the body got furthest into says most about what is wrong.
-    first = max(errors, key=lambda err: len(err.get("loc", ())))
-    param = _client_path(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        param = ""  # pydantic's location is the parse position, not a field
-        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-    elif first.get("type") == "extra_forbidden":
-        message = f"unrecognized request argument: {param}"
-    elif first.get("type") == "missing":
-        message = f"missing required argument: {param}"
-    else:
-        message = f"{param or 'body'}: {first['msg']}"
-    return ApiError(400, message, param or None, first.get("type"))
-
-
-def _http_error(e: StarletteHTTPException) -> ApiError:
-    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {}))
-
-
-async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-    return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()

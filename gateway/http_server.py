@@ -84,7 +84,9 @@ class _InLoopServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, max_body_bytes: int, on_refused=lambda request_id, message: None):
+    def __init__(self, app, host: str, port: int, max_body_bytes: int, on_refused=lambda request_id, message: None,
+                 tls=None):
+        """`tls`: a gateway.tls.TlsFiles to serve HTTPS (with client certificates when it names a CA)."""
         # proto IPPROTO_TCP, not create_server's 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
         # on sockets that say they are TCP, and with it on an event waits behind the headers for the
         # client's delayed ACK (~40 ms to the first token on a kept-alive connection).
@@ -100,7 +102,7 @@ class HttpServer:
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(BodyLimit(app, max_body_bytes, on_refused), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                timeout_keep_alive=30, http="auto")
+                                timeout_keep_alive=30, http="auto", **(tls.uvicorn_args() if tls else {}))
         self.server = _InLoopServer(config)
         self._task: asyncio.Task | None = None
 

@@ -8,6 +8,7 @@ run several gateways in one process.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 from protos import worker_pb2
 
@@ -62,6 +63,9 @@ class Metrics:
                                               "reported it found cached, for the same requests.", w, registry=r)
         self.prefix_index_blocks = Gauge("inference_prefix_index_blocks", "Prefix-cache blocks the gateway's index "
                                          "holds for the worker.", w, registry=r)
+        self.workers_refused = Counter("inference_workers_refused", "Worker incarnations refused, by reason "
+                                       "(model: it serves another model than the gateway).", ["reason"],
+                                       registry=r)
         self.kv_snapshots = Counter("inference_kv_snapshot_requests", "KV-cache snapshots asked of a worker (its "
                                     "events were lost or out of order).", w, registry=r)
         self.prompt_tokens = Counter("inference_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -111,6 +115,17 @@ class Metrics:
         if delta > 0:
             counter.labels(worker_id).inc(delta)
         self._last_counts[(worker_id, field)] = (incarnation, value)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker that left: its series go, so /metrics lists the live set."""
+        for metric in [m for m in vars(self).values() if isinstance(m, MetricWrapperBase)]:
+            names = getattr(metric, "_labelnames", ())
+            if "worker" not in names:
+                continue
+            position = names.index("worker")
+            for labels in [k for k in list(getattr(metric, "_metrics", {})) if k[position] == worker_id]:
+                metric.remove(*labels)
+        self._last_counts = {k: v for k, v in self._last_counts.items() if k[0] != worker_id}
 
     def on_cache_prediction(self, worker_id: str, predicted: int, reported: int) -> None:
         self.predicted_cached_tokens.labels(worker_id).inc(predicted)

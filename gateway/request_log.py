@@ -32,15 +32,16 @@ def request_record(state: RequestState, status_code: str) -> dict:
         "per_output_token_ms": round(decode_ms / (num_output - 1), 3) if num_output > 1 else 0.0,
         "e2e_ms": round((end_s - state.arrival_s) * 1e3, 3), "preemptions": state.num_preemptions,
         "resumptions": state.num_resumes, "peak_kv_blocks": state.peak_kv_blocks,
-        "finish_reason": state.finish_reason, "status_code": status_code,
+        "finish_reason": state.finish_reason, "status_code": status_code, "api_key": state.owner,
     }
 
 
-def refuse_request(request_id: str, status_code: str, message: str, metrics: Metrics) -> dict:
-    """A request that ended before it was queued: refused by validation, a bound, or draining."""
+def refuse_request(request_id: str, status_code: str, message: str, metrics: Metrics, api_key: str = "") -> dict:
+    """A request that ended before it was queued: refused by validation, a bound, or draining.
+    `api_key` is the key's name (never the key), "" when it had none or no keys are set."""
     # A refused id may be anything a client sent, megabytes included: the log keeps its start.
     record = {"event": "request", "request_id": request_id[:MAX_LOGGED_ID_CHARS], "status_code": status_code,
-              "error": message}
+              "error": message, "api_key": api_key}
     log.info(json.dumps(record, separators=(",", ":")))
     metrics.rejections.labels(status_code.lower()).inc()
     metrics.request_status.labels(status_code).inc()

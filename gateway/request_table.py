@@ -1,8 +1,9 @@
 """The gateway's live requests, by internal id, and the client's ids that name them while they live.
 
 Every admission gets a fresh internal id (unique within this gateway process and across its
-restarts): it is the id on the wire and in the worker. A client's `request_id` points at its
-request only until that request is forgotten, so a client may reuse an id at once, and nothing
+restarts): it is the id on the wire and in the worker. A client's `request_id` (within the
+namespace of the API key that sent it: one key can neither see nor reach another's ids) points
+at its request only until that request is forgotten, so a client may reuse an id at once, and nothing
 addressed to the old request (a late delta, an abort) can reach the new one.
 """
 from __future__ import annotations
@@ -24,33 +25,34 @@ class RequestTable:
         self._prefix = f"g{uuid.uuid4().hex[:8]}-"
         self._seq = itertools.count(1)
         self._by_internal: dict[str, RequestState] = {}
-        self._by_client: dict[str, str] = {}  # client id -> internal id, while live
+        self._by_client: dict[tuple[str, str], str] = {}  # (owner, client id) -> internal id, while live
 
     def new_id(self) -> str:
         return f"{self._prefix}{next(self._seq):x}"
 
     def add(self, state: RequestState) -> None:
         """Make `state` live; DuplicateRequestError if its client id names a live request."""
-        if state.request_id in self._by_client:
+        key = (state.owner, state.request_id)
+        if key in self._by_client:
             raise DuplicateRequestError(state.request_id)
         self._by_internal[state.internal_id] = state
-        self._by_client[state.request_id] = state.internal_id
+        self._by_client[key] = state.internal_id
 
     def get(self, internal_id: str) -> RequestState | None:
         return self._by_internal.get(internal_id)
 
-    def by_client(self, request_id: str) -> RequestState | None:
-        internal_id = self._by_client.get(request_id)
+    def by_client(self, request_id: str, owner: str = "") -> RequestState | None:
+        internal_id = self._by_client.get((owner, request_id))
         return None if internal_id is None else self._by_internal[internal_id]
 
-    def is_live(self, request_id: str) -> bool:
-        return request_id in self._by_client
+    def is_live(self, request_id: str, owner: str = "") -> bool:
+        return (owner, request_id) in self._by_client
 
     def pop(self, internal_id: str) -> RequestState | None:
         """Forget a request; its client id is free again."""
         state = self._by_internal.pop(internal_id, None)
-        if state is not None and self._by_client.get(state.request_id) == internal_id:
-            del self._by_client[state.request_id]
+        if state is not None and self._by_client.get((state.owner, state.request_id)) == internal_id:
+            del self._by_client[(state.owner, state.request_id)]
         return state
 
     def __len__(self) -> int:

@@ -21,6 +21,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from gateway.admission import Admission, Refusal
+from gateway.auth import KeyStore, check_exposure, is_loopback
 from gateway.dispatcher import Dispatcher
 from gateway.http_api import OpenAiApi
 from gateway.http_server import HttpServer
@@ -28,6 +29,7 @@ from gateway.metrics import Metrics
 from gateway.relay import DeadlinePassed, event_batches
 from gateway.request_log import finish_request
 from gateway.streams import RequestState, StreamEvent
+from gateway.tls import grpc_server_credentials, tls_files
 from gateway.tokenizer import Tokenizer
 from protos import inference_pb2, inference_pb2_grpc
 from shared.config import ClusterConfig
@@ -72,6 +74,13 @@ async def _abort(context: grpc.aio.ServicerContext, refusal: Refusal) -> None:
     await context.abort(refusal.code, refusal.message)
 
 
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value
+    return None
+
+
 def _cancelled_status(ended_with: grpc.StatusCode | None, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     """The status a client saw when its handler was cancelled: the one the gateway had already ended
     the RPC with, else DEADLINE_EXCEEDED if its deadline passed (gRPC cancels the handler then),
@@ -95,10 +104,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         arrival_s, remaining_s = time.monotonic(), context.time_remaining()
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         try:
-            with self.admission.stream(request_id):
+            principal = self.admission.authenticate(request_id, _authorization(context))
+            with self.admission.stream(request_id, principal):
                 try:
                     state = await self.admission.admit(request, request_id, arrival_s, remaining_s,
-                                                       lambda: _cancelled_status(None, context))
+                                                       lambda: _cancelled_status(None, context), principal)
                 except Refusal as e:
                     await _abort(context, e)
                 code = grpc.StatusCode.OK
@@ -116,7 +126,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
                     self.admission.cancel([state])
                     finish_request(state, code.name, self.metrics)
-        except Refusal as e:  # no stream slot
+        except Refusal as e:  # not authenticated, or no stream slot
             await _abort(context, e)
 
     async def _relay(self, state: RequestState, context: grpc.aio.ServicerContext):
@@ -139,13 +149,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
 
+    async def _caller(self, context: grpc.aio.ServicerContext, request_id: str = "-", admin: bool = False):
+        """The caller's principal; aborts UNAUTHENTICATED without a valid key, PERMISSION_DENIED
+        when `admin` is needed and the key is not one."""
+        try:
+            principal = self.admission.authenticate(request_id, _authorization(context))
+        except Refusal as e:
+            await _abort(context, e)
+        if admin and not principal.is_admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"API key {principal.name!r} may not do this: it needs the admin role")
+        return principal
+
     async def Abort(self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext):
-        if not self.dispatcher.cancel_by_client_id(request.request_id):
+        principal = await self._caller(context, request.request_id)
+        # Another key's request is as unknown as a request that does not exist: no oracle of ids.
+        if not self.dispatcher.cancel_by_client_id(request.request_id, principal.name):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no queued or running request has id {request.request_id!r}")
         return inference_pb2.AbortResponse()
 
     async def GetClusterStatus(self, request, context):
+        await self._caller(context)
         now = time.monotonic()
         registry = self.dispatcher.registry
         status = inference_pb2.ClusterStatus(num_queued=len(self.dispatcher.queue), draining=self.admission.draining)
@@ -166,6 +191,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return status
 
     async def ProbeWorker(self, request: inference_pb2.ProbeWorkerRequest, context: grpc.aio.ServicerContext):
+        await self._caller(context, admin=True)  # memory reports name other clients' requests
         if request.worker_id not in self.dispatcher.registry.workers:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker has id {request.worker_id!r}; known: "
                                                            f"{sorted(self.dispatcher.registry.workers)}")
@@ -189,8 +215,14 @@ class Gateway:
             log.warning("tokenizer: %s", warning)
         self.health = health_aio.HealthServicer()
         self.metrics = Metrics()
+        g = config.gateway
+        self.keys = KeyStore.from_config(g)
+        check_exposure(g, self.keys)
+        if not self.keys.enabled and not is_loopback(g.host):
+            log.warning("serving %s without API keys (gateway.allow_unauthenticated): anyone who can reach it may "
+                        "call it", g.host)
         self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
-        self.admission = Admission(config, self.tokenizer, self.dispatcher)
+        self.admission = Admission(config, self.tokenizer, self.dispatcher, keys=self.keys)
         self.servicer = InferenceServicer(config, self.admission)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
@@ -198,15 +230,19 @@ class Gateway:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(f"{config.gateway.host}:{config.gateway.port}")
+        address = f"{g.host}:{g.port}"
+        tls = tls_files(g)
+        self.port = (self.server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
-            raise OSError(f"cannot listen on {config.gateway.host}:{config.gateway.port}")
+            raise OSError(f"cannot listen on {address}")
         self.http: HttpServer | None = None
-        if config.gateway.http_port:
+        if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
-            self.http = HttpServer(api.app, config.gateway.host, config.gateway.http_port, config.gateway.max_body_bytes,
+            self.http = HttpServer(api.app, g.host, g.http_port, g.max_body_bytes, tls=tls,
                                    on_refused=lambda request_id, message: api.refused(request_id, 413, message))
         self._stopped = asyncio.Event()
+        self._health_names: set[str] = set()
 
     def _schedule_health_update(self) -> None:
         asyncio.ensure_future(self._update_health())
@@ -225,6 +261,9 @@ class Gateway:
             ready = registry.is_ready(worker, now)
             any_ready |= ready
             await self.health.set(worker.worker_id, serving if ready else not_serving)
+        for worker_id in self._health_names - registry.workers.keys():  # workers that left
+            await self.health.set(worker_id, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        self._health_names = set(registry.workers)
         overall = serving if any_ready and not self.admission.draining else not_serving
         await self.health.set("", overall)
         await self.health.set(SERVICE_NAME, overall)
@@ -240,8 +279,10 @@ class Gateway:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
-        log.info("gateway listening on %s:%d (gRPC)%s, workers at %s", self.config.gateway.host, self.port,
-                 f" and {self.http.port} (HTTP, OpenAI API)" if self.http else "", self.config.worker_endpoint)
+        g = self.config.gateway
+        log.info("gateway listening on %s:%d (gRPC%s)%s, workers at %s; %s", g.host, self.port,
+                 ", TLS" if g.tls_cert_file else "", f" and {self.http.port} (HTTP, OpenAI API)" if self.http else "",
+                 self.config.worker_endpoint, "API keys required" if self.keys.enabled else "no API keys")
         await self._stopped.wait()
         return 0
 

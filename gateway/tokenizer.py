@@ -136,9 +136,16 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError(f"{self.model_dir}: the tokenizer has no chat template, so chat messages "
                                  f"cannot be rendered; send a plain prompt instead")
-        return _compile(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.special.bos or "", eos_token=self.special.eos or "", pad_token=self.special.pad or "")
+        try:
+            # A sandbox, as transformers renders them: a template from a model folder reaches no
+            # Python internals (attributes starting with _, callables that mutate, ...).
+            return _compile(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.special.bos or "", eos_token=self.special.eos or "", pad_token=self.special.pad or "")
+        except jinja2.exceptions.SecurityError as e:
+            raise TokenizerError(f"{self.model_dir}: the chat template tried what its sandbox forbids: {e}") from None
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{self.model_dir}: the chat template failed to render: {e}") from None
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         # The template writes any BOS itself, as apply_chat_template(tokenize=True) assumes.

@@ -68,6 +68,7 @@ class WorkerRegistry:
         """`heard_since(now)`: the time from which a missed heartbeat counts (LoopLag.heard_since)."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.workers: dict[str, WorkerHandle] = {w: WorkerHandle(w) for w in worker_ids}
+        self.local_ids = frozenset(worker_ids)  # launched with the cluster: listed even while down
         self._heard_since = heard_since
 
     def is_alive(self, worker: WorkerHandle, now_s: float) -> bool:
@@ -147,6 +148,15 @@ class WorkerRegistry:
         worker.heartbeat = None
         worker.last_seen_s = -math.inf
         return lost
+
+    def forget_departed(self, now_s: float, after_s: float) -> list[str]:
+        """Workers that joined by themselves and have been silent for `after_s`: removed, so the
+        table follows the live set. The cluster's own workers stay listed (they come back)."""
+        gone = [w.worker_id for w in self.workers.values()
+                if w.worker_id not in self.local_ids and not w.assigned and now_s - w.last_seen_s > after_s]
+        for worker_id in gone:
+            del self.workers[worker_id]
+        return gone
 
     def live(self, now_s: float) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if self.is_alive(w, now_s)]

@@ -133,7 +133,7 @@ class StepOutputs(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining", "kv_events_seq")
+    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining", "kv_events_seq", "model_fingerprint", "model_name")
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,8 @@ class Heartbeat(_message.Message):
     IS_HUNG_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     num_running: int
     num_waiting: int
@@ -196,7 +198,9 @@ class Heartbeat(_message.Message):
     is_hung: bool
     is_draining: bool
     kv_events_seq: int
-    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., kv_events_seq: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    model_name: str
+    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., kv_events_seq: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("seq", "snapshot", "stored", "removed", "block_size")

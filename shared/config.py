@@ -24,7 +24,9 @@ __all__ = ["ClusterConfig", "ConfigError", "DispatchConfig", "EngineConfig", "Ga
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "0.0.0.0"
+    # Loopback by default: a gateway reachable from other hosts must say who may call it
+    # (api_keys_file / INFERENCE_API_KEY) or that anyone may (allow_unauthenticated).
+    host: str = "127.0.0.1"
     port: int = 50051
     worker_endpoint: str = ""  # "" = ipc://<run_dir>/gateway.ipc; tcp://host:port by config
     heartbeat_timeout_s: float = 1.0  # no heartbeat for this long: the worker is dead
@@ -33,7 +35,7 @@ class GatewayConfig:
     request_timeout_s: float = 0.0  # 0 = only the client's own deadline applies
     max_concurrent_streams: int = 1024
     metrics_port: int = 8000  # Prometheus /metrics over HTTP; 0 = off
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     probe_timeout_s: float = 10.0  # ProbeWorker: how long to wait for the worker's reply
     # Tokens per GenerateResponse (as vLLM's and SGLang's --stream-interval): 1 streams every token
     # as it comes; N > 1 holds a stream's tokens until N are ready, the request ends, or
@@ -66,6 +68,25 @@ class GatewayConfig:
     max_body_bytes: int = 16 << 20  # an HTTP body beyond this is refused 413 before it is parsed
     max_n: int = 16  # choices per request (`n`)
     max_prompts: int = 256  # prompts per /v1/completions request (a list of prompts)
+    # Who may call (gateway/auth.py, docs/security.md): one key per line with its name, role and
+    # limits; or the INFERENCE_API_KEY environment variable for a single (admin) key. No keys:
+    # anyone who can reach the ports may call, which a non-loopback host refuses unless
+    # allow_unauthenticated.
+    api_keys_file: str = ""
+    allow_unauthenticated: bool = False
+    # TLS for gRPC and HTTP: both files (PEM) turn it on; a client CA also requires clients to
+    # present a certificate it signed.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    # Who may join as a worker (shared/curve.py): ZeroMQ CURVE keys in zmq.auth's format
+    # (tools/curve_keys.py writes them); "" = the cluster's own pair in <run_dir>/keys, made at
+    # first start. Plain tcp:// without keys is refused unless allow_insecure_tcp.
+    curve_keys_dir: str = ""
+    allow_insecure_tcp: bool = False
+    # A worker that joined by itself (not one of the num_workers this cluster launches) and has
+    # been dead this long leaves the worker table, the status RPC, health and metrics.
+    forget_worker_after_s: float = 30.0
 
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
@@ -80,6 +101,8 @@ class GatewayConfig:
         _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
         _check(self.restart_backoff_s > 0, "gateway.restart_backoff_s", self.restart_backoff_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
+        _check(self.forget_worker_after_s >= self.heartbeat_timeout_s, "gateway.forget_worker_after_s",
+               self.forget_worker_after_s, ">= gateway.heartbeat_timeout_s")
         _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
         _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
         _check(self.request_timeout_s >= 0, "gateway.request_timeout_s", self.request_timeout_s, ">= 0")
@@ -89,6 +112,10 @@ class GatewayConfig:
         _check(self.stream_hold_ms > 0, "gateway.stream_hold_ms", self.stream_hold_ms, "> 0")
         _check(self.max_concurrent_streams >= 1, "gateway.max_concurrent_streams", self.max_concurrent_streams,
                ">= 1")
+        _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "gateway.tls_cert_file", self.tls_cert_file,
+               "set together with gateway.tls_key_file")
+        _check(not self.tls_client_ca_file or bool(self.tls_cert_file), "gateway.tls_client_ca_file",
+               self.tls_client_ca_file, "used with gateway.tls_cert_file and tls_key_file")
 
 
 @dataclass(frozen=True)
@@ -182,6 +209,9 @@ class WorkerConfig(EngineConfig):
     # reserved - allocated exceeds this; at most once per memory_poll_interval_s. 0 = never.
     empty_cache_fragmentation_bytes: int = 1 << 30
     hung_after_s: float = 10.0  # has work but no step completed for this long: not ready
+    # This worker's CURVE keys (gateway.key, worker.key, worker.key_secret); "" = the cluster's
+    # own in <run_dir>/keys (see gateway.curve_keys_dir).
+    curve_keys_dir: str = ""
 
     def validate(self) -> None:
         super().validate()
@@ -205,7 +235,9 @@ class WorkerConfig(EngineConfig):
 @dataclass(frozen=True)
 class ClusterConfig:
     model_dir: str = "models/default"
-    num_workers: int = 2  # worker ids are worker-0 .. worker-{n-1}
+    # Workers this cluster launches (honcho start, ClusterProcess): worker-0 .. worker-{n-1}. More
+    # may join over the network (`python -m worker.supervisor --connect ...`); 0 = none local.
+    num_workers: int = 2
     run_dir: str = ".run"  # ipc:// sockets live here
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     queues: QueueConfig = field(default_factory=QueueConfig)
@@ -213,7 +245,7 @@ class ClusterConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def validate(self) -> None:
-        _check(self.num_workers >= 1, "num_workers", self.num_workers, ">= 1")
+        _check(self.num_workers >= 0, "num_workers", self.num_workers, ">= 0")
         _check(bool(self.model_dir), "model_dir", self.model_dir, "a model folder")
         self.gateway.validate()
         self.queues.validate()
@@ -232,7 +264,7 @@ class ClusterConfig:
         less `worker.reserved_cores`, split evenly between the workers (at least one each)."""
         if self.worker.num_threads:
             return self.worker.num_threads
-        return max(1, (len(usable_cores()) - self.worker.reserved_cores) // self.num_workers)
+        return max(1, (len(usable_cores()) - self.worker.reserved_cores) // max(1, self.num_workers))
 
 
 def usable_cores() -> list[int]:

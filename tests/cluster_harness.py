@@ -43,14 +43,16 @@ class Cluster(ClusterProcess):
     request."""
 
     def __init__(self, model_dir: Path, num_workers: int = 2, supervised: bool = False,
-                 sections: dict[str, dict] | None = None, supervised_gateway: bool = False):
+                 sections: dict[str, dict] | None = None, supervised_gateway: bool = False,
+                 api_key: str | None = None, tls_root: bytes | None = None):
         self.metrics_port = free_port()
         sections = {k: dict(v) for k, v in (sections or {}).items()}
         sections["gateway"] = {"metrics_port": self.metrics_port, **sections.get("gateway", {})}
         sections["worker"] = {"num_threads": 1, "num_kv_blocks": 128, **sections.get("worker", {})}
         super().__init__(model_dir, num_workers, sections,
                          gateway_module=["gateway", "--supervise"] if supervised_gateway else None,
-                         worker_module=["worker.supervisor"] if supervised else None)
+                         worker_module=["worker.supervisor"] if supervised else None, api_key=api_key,
+                         tls_root=tls_root)
         self.channel: grpc.Channel | None = None
         self.stub: inference_pb2_grpc.InferenceServiceStub | None = None
 
@@ -60,11 +62,11 @@ class Cluster(ClusterProcess):
         return self
 
     def connect(self) -> None:
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = self.open_channel()
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
 
     def status(self) -> inference_pb2.ClusterStatus:
-        return self.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=5)
+        return self.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=5, metadata=self.metadata)
 
     def model_pids(self, worker_id: str) -> list[int]:
         """The pids of `python -m worker --worker-id <id>` processes of this cluster."""
@@ -94,12 +96,13 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     _signal_group(proc, sig)
 
 
-def generate(stub, timeout: float = 60.0, **fields) -> tuple[list[int], str, inference_pb2.GenerateResponse]:
+def generate(stub, timeout: float = 60.0, metadata: tuple = (), **fields
+             ) -> tuple[list[int], str, inference_pb2.GenerateResponse]:
     """Run one Generate to its end: (token ids, text, last response)."""
     sampling = fields.pop("sampling", {})
     request = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingOptions(**sampling), **fields)
     ids, text, last = [], "", None
-    for response in stub.Generate(request, timeout=timeout):
+    for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         ids.extend(response.token_ids)
         text += response.text
         last = response

@@ -56,7 +56,7 @@ def test_every_value_has_a_flag_and_flags_override_the_file():
     ({"worker.max_num_seqs": "many"}, "must be an integer"),
     ({"queues.policy": "lifo"}, "queues.policy"),
     ({"queues.max_queue_wait_s": [[0, -1.0]]}, "queues.max_queue_wait_s"),
-    ({"num_workers": 0}, "num_workers"),
+    ({"num_workers": -1}, "num_workers"),
     ({"gateway.stream_interval": 0}, "gateway.stream_interval"),
     ({"gateway.stream_hold_ms": 0}, "gateway.stream_hold_ms"),
     ({"worker.quantization_calibration": "/no/such/calibration.txt"}, "worker.quantization_calibration"),

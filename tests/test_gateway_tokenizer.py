@@ -107,3 +107,24 @@ def test_token_bytes_join_into_the_texts_bytes(tokenizer, model):
         # Some token stands for part of a character, which its own decode cannot show.
         if model == "served" and text.startswith("h"):
             assert any(tok.decode([i]) == "\ufffd" for i in ids)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{{ raise_exception.__globals__ }}{{ raise_exception.__code__ }}",
+    "{% set _ = messages.append({'role': 'user', 'content': 'injected'}) %}{{ messages | length }}",
+])
+def test_a_chat_template_cannot_reach_python_internals(served_checkpoint, tmp_path, template):
+    """An unsafe attribute is undefined (empty where printed, an error where called) and a mutation
+    of the messages is refused: the request gets a TokenizerError, never Python's internals."""
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(served_checkpoint, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    try:
+        rendered = Tokenizer(folder).render_chat([{"role": "user", "content": "hi"}])
+    except TokenizerError as e:
+        assert "sandbox forbids" in str(e) or "failed to render" in str(e)
+    else:
+        assert rendered == ""

@@ -17,6 +17,7 @@ from cluster_harness import free_port
 from protos import worker_pb2
 from shared.block_hash import chain_hashes
 from shared.config import load_config
+from shared.curve import GATEWAY, cluster_keys_dir, load_server_keys
 from shared.ipc import decode, encode
 from shared.wire import logprobs_from_wire, sampling_to_wire
 from worker.engine import Engine, SamplingParams
@@ -62,6 +63,18 @@ class Pressure:
 
     def __call__(self, detailed: bool = False) -> MemoryReading:
         return MemoryReading(used_bytes=self.pool_bytes + self.extra, total_bytes=1 << 40)
+
+
+def curve_router(endpoint: str) -> zmq.Socket:
+    """A bare ROUTER in the gateway's place: a CURVE server with the cluster's own keys
+    (<run_dir>/keys, shared/curve.py), as a worker requires on ipc://."""
+    keys = load_server_keys(cluster_keys_dir(load_config(None, {}), GATEWAY))
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.curve_server = True
+    router.curve_secretkey, router.curve_publickey = keys.secret, keys.public
+    router.bind(endpoint)
+    return router
 
 
 def make_service(model_dir, read_memory=None, endpoint=None, engine=None, **worker) -> WorkerService:
@@ -426,9 +439,7 @@ def test_kv_events_report_evictions_and_coalesce_within_an_iteration(llama_dir):
 
 def test_kv_events_and_snapshots_travel_the_real_wire(llama_dir, tmp_path):
     endpoint = f"ipc://{tmp_path}/gw.ipc"
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
+    router = curve_router(endpoint)
     service = make_service(llama_dir, endpoint=endpoint, heartbeat_interval_s=0.05)
     service.heartbeat.start()
     try:
@@ -475,9 +486,7 @@ def test_kv_events_and_snapshots_travel_the_real_wire(llama_dir, tmp_path):
 # ---- health: a hung loop, a fatal error --------------------------------------------------------
 def test_a_hung_step_turns_the_worker_not_ready_while_heartbeats_keep_flowing(llama_dir, tmp_path):
     endpoint = f"ipc://{tmp_path}/gw.ipc"
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.bind(endpoint)
+    router = curve_router(endpoint)
     service = make_service(llama_dir, endpoint=endpoint, heartbeat_interval_s=0.05, hung_after_s=0.4)
     release = threading.Event()
     service.engine.runner.fault_hook = lambda seqs: release.wait(10)  # the step hangs until released

@@ -1,4 +1,4 @@
-"""`python -m worker --worker-id worker-0 [--config FILE] [overrides]`: one model process.
+"""`python -m worker --worker-id worker-0 [--connect ENDPOINT] [--config FILE] [overrides]`: one model process.
 
 Loads the engine, connects to the gateway over ZeroMQ and serves until SIGTERM (exit 0).
 A fatal error exits non-zero so its supervisor (worker/supervisor.py) restarts it.
@@ -12,14 +12,16 @@ import sys
 
 from shared.config import add_config_flags, config_from_args
 from shared.cpu_affinity import pin_process
+from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    parser.add_argument("--worker-id", required=True)
+    add_worker_flags(parser)
     add_config_flags(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_connect(list(sys.argv[1:] if argv is None else argv)))
     config = config_from_args(args)
+    args.worker_id = args.worker_id or default_worker_id(config)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
     # Before torch starts its threads: they inherit the mask.
     if cores := pin_process(args.worker_id, config):

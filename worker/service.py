@@ -19,14 +19,17 @@ import faulthandler
 import logging
 import signal
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from protos import worker_pb2
 from shared.config import ClusterConfig
+from shared.curve import WORKER, transport_keys
 from shared.engine_config import EngineConfig
 from shared.ipc import WorkerSocket, new_incarnation
+from shared.model_fingerprint import model_fingerprint
 from shared.sampling_params import SamplingParams
 from shared.wire import logprobs_to_wire, sampling_from_wire
 from worker.engine import Engine, RequestDelta
@@ -50,6 +53,9 @@ class WorkerService:
     def __init__(self, config: ClusterConfig, worker_id: str, engine: Engine | None = None,
                  read_memory: Callable[[bool], MemoryReading] | None = None):
         """`engine` and `read_memory` are injectable for tests (a fake reading drives the levels)."""
+        # Before the model loads: a worker that may not connect (plain tcp:// refused, keys that
+        # do not load) says so at once. Both sockets hold the same keys.
+        keys = transport_keys(config, WORKER)
         self.config = config
         self.worker_id = worker_id
         self.engine = engine or Engine.from_model_dir(config.model_dir, engine_config(config))
@@ -65,14 +71,16 @@ class WorkerService:
         self.progress = LoopProgress()
         self.incarnation = new_incarnation()
         endpoint = config.worker_endpoint
-        self.socket = WorkerSocket(endpoint, worker_id, self.incarnation)
+        self.socket = WorkerSocket(endpoint, worker_id, self.incarnation, keys=keys)
         self.heartbeat = HeartbeatThread(endpoint, worker_id, self.incarnation, w.heartbeat_interval_s,
                                          StaticInfo(max_num_seqs=w.max_num_seqs, max_queued=w.max_queued,
                                                     block_size=self.engine.config.block_size,
                                                     max_model_len=self.engine.max_model_len,
                                                     vocab_size=self.engine.model_config.vocab_size,
-                                                    device=str(self.device)),
-                                         self.progress, lambda: self.watchdog.status, w.hung_after_s)
+                                                    device=str(self.device),
+                                                    model_fingerprint=model_fingerprint(config.model_dir),
+                                                    model_name=Path(config.model_dir).name),
+                                         self.progress, lambda: self.watchdog.status, w.hung_after_s, keys=keys)
         self._probes: dict[str, tuple[int, float, bool]] = {}  # request id -> (probe id, started, report?)
         self._probe_ids = 0
         self._stopping = False

@@ -1,5 +1,9 @@
 """`python -m worker.supervisor --worker-id worker-0 [...]`: keep one model process alive.
 
+`python -m worker.supervisor --connect tcp://GATEWAY:PORT --model-dir DIR [--worker-id ID]`
+runs a worker anywhere: it joins that gateway (with the CURVE keys of `worker.curve_keys_dir`)
+and is served once it reports ready; the id defaults to HOST-DEVICE.
+
 `honcho start` stops the whole cluster as soon as any entry exits, so the Procfile runs
 this small process, which holds no model, and it restarts the model process
 (`python -m worker`) whenever it dies, with exponential backoff for crash loops.
@@ -12,17 +16,26 @@ import argparse
 import logging
 import sys
 
-from shared.config import add_config_flags, config_from_args
+from shared.config import ConfigError, add_config_flags, config_from_args
+from shared.curve import WORKER, transport_keys
 from shared.supervisor import supervise
+from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = expand_connect(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog="python -m worker.supervisor", description=__doc__)
-    parser.add_argument("--worker-id", required=True)
+    add_worker_flags(parser)
     add_config_flags(parser)
     args = parser.parse_args(argv)
-    config = config_from_args(args)  # fail here, once, on a bad config rather than in a restart loop
+    try:
+        config = config_from_args(args)  # fail here, once, on a bad config rather than in a restart loop
+        transport_keys(config, WORKER)  # and on a transport it may not use (plain tcp://, missing keys)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.worker_id is None:  # fixed now, so every restart of the model process keeps it
+        args.worker_id = default_worker_id(config)
+        argv = [*argv, "--worker-id", args.worker_id]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s supervisor {args.worker_id} %(levelname)s "
                                                    f"%(message)s")
     return supervise("model process", [sys.executable, "-m", "worker", *argv], config.worker.restart_backoff_s,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from protos import worker_pb2
+from shared.curve import ClientKeys
 from shared.ipc import WorkerSocket
 from worker.watchdog import MemoryLevel, MemoryStatus
 
@@ -72,6 +73,8 @@ class StaticInfo:
     max_model_len: int
     vocab_size: int
     device: str
+    model_fingerprint: str = ""  # shared/model_fingerprint.py: what the gateway checks it serves
+    model_name: str = ""
 
 
 def is_ready(snapshot: LoadSnapshot, level: MemoryLevel, is_hung: bool) -> bool:
@@ -96,14 +99,18 @@ def build_heartbeat(s: LoadSnapshot, info: StaticInfo, progress: LoopProgress, m
         utilization_percent=m.utilization_percent,
         num_prefix_query_tokens=s.num_prefix_query_tokens, num_prefix_hit_tokens=s.num_prefix_hit_tokens,
         num_preemptions=s.num_preemptions, num_steps=s.num_steps, num_oom_recoveries=s.num_oom_recoveries,
-        is_hung=hung, is_draining=s.is_draining, kv_events_seq=s.kv_events_seq)
+        is_hung=hung, is_draining=s.is_draining, kv_events_seq=s.kv_events_seq,
+        model_fingerprint=info.model_fingerprint, model_name=info.model_name)
 
 
 class HeartbeatThread(threading.Thread):
     def __init__(self, endpoint: str, worker_id: str, incarnation: str, interval_s: float, info: StaticInfo,
-                 progress: LoopProgress, memory: Callable[[], MemoryStatus], hung_after_s: float):
+                 progress: LoopProgress, memory: Callable[[], MemoryStatus], hung_after_s: float,
+                 keys: ClientKeys | None = None):
+        """`keys`: the worker's CURVE keys (shared/curve.py), the same its main socket holds."""
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self._args = (endpoint, worker_id, incarnation)
+        self._keys = keys
         self._interval_s = interval_s
         self._info = info
         self._progress = progress
@@ -114,7 +121,7 @@ class HeartbeatThread(threading.Thread):
         self.snapshot = LoadSnapshot()  # replaced whole by the loop: an atomic reference swap
 
     def run(self) -> None:
-        socket = WorkerSocket(*self._args, routed=False)
+        socket = WorkerSocket(*self._args, routed=False, keys=self._keys)
         try:
             while not self._stopped.is_set():
                 socket.send(self.heartbeat())

@@ -1,0 +1,84 @@
+"""The OpenAI API's errors: OpenAI's body `{"error": {"message", "type", "param", "code"}}` under the
+status the client libraries map, from an admission refusal (a gRPC status), a body that failed
+its schema (400 naming the field, never FastAPI's 422) or anything else (500)."""
+from __future__ import annotations
+
+import math
+import re
+
+import grpc
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS
+from gateway.openai_responses import error_body
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, logged: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+        self.logged = logged  # already in the request log (admission logs its own refusals)
+
+    @classmethod
+    def from_code(cls, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,
+                  logged: bool = False) -> "ApiError":
+        headers = {"retry-after": str(max(1, math.ceil(retry_after_ms / 1e3)))} if retry_after_ms is not None else {}
+        status = HTTP_STATUS.get(code, 500)
+        return cls(status, message, param_of(message) if status == 400 else None, code.name.lower(), headers, logged)
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, ERROR_TYPE.get(self.status, "server_error"), self.param, self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# The fields a refusal's message may begin with (validation names the field first).
+_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
+    "prompt_token_ids", "request_id", "messages", "logit_bias"}
+_LEADING_NAME = re.compile(r"^(?:the )?([a-z_]+)(\[\d+\])?")
+
+
+def param_of(message: str) -> str | None:
+    """The body field an admission message names first, as `param` (e.g. "temperature must be ...")."""
+    match = _LEADING_NAME.match(message)
+    if match and match.group(1) in _FIELDS:
+        return match.group(1) + (match.group(2) or "")
+    return None
+
+
+_UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _client_path(loc) -> str:
+    """A pydantic error location as the client wrote it: no `body` root, no union branch names."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(p for p in parts if p not in _UNION_BRANCHES and "[" not in p and not p.startswith("function-"))
+
+
+def validation_error(e: RequestValidationError) -> ApiError:
+    errors = e.errors() or [{"loc": (), "msg": "invalid body", "type": "invalid"}]
+    # Of a union's branches, the one the body got furthest into says most about what is wrong.
+    first = max(errors, key=lambda err: len(err.get("loc", ())))
+    param = _client_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        param = ""  # pydantic's location is the parse position, not a field
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+    elif first.get("type") == "extra_forbidden":
+        message = f"unrecognized request argument: {param}"
+    elif first.get("type") == "missing":
+        message = f"missing required argument: {param}"
+    else:
+        message = f"{param or 'body'}: {first['msg']}"
+    return ApiError(400, message, param or None, first.get("type"))
+
+
+def http_error(e: StarletteHTTPException) -> ApiError:
+    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {}))
+
+
+async def internal_error(_: Request, e: Exception) -> JSONResponse:
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
