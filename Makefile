@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization experiments gpu-check lock protos clean
+.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization bench-routing experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench-structured: $(STAMP)
 bench-quantization: $(STAMP)
 	$(PY) -m bench.quantization
 	$(PY) -m bench.quantization --model bench-small
+
+# Cache-aware routing against least-loaded and round-robin: 8 and 32 fake workers, 2 real ones (~18 min).
+bench-routing: $(STAMP)
+	$(PY) -m bench.routing
 
 # The CUDA paths the CPU test suite cannot reach, on a GPU host (`--device cpu` dry-runs it here).
 gpu-check: $(STAMP)

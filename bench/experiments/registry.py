@@ -24,6 +24,7 @@ EXPERIMENTS = [
     Entry(8, "max_tokens", "bench.experiments.exp08_max_tokens"),
     Entry(9, "sched_overhead", "bench.experiments.exp09_sched_overhead"),
     Entry(10, "load_test", "bench.experiments.exp10_load_test"),
+    Entry(11, "cache_routing", "bench.experiments.exp11_cache_routing"),
 ]
 
 
