@@ -53,8 +53,9 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.num_tokens < 2:
+        """Mean time per output token after the first message's; None when that message carried
+        them all (the gateway holds tokens back until their text is whole characters)."""
+        if self.num_tokens < 2 or not self.chunks or self.chunks[0][1] >= self.num_tokens:
             return None
         return (self.chunks[-1][0] - self.chunks[0][0]) / (self.num_tokens - self.chunks[0][1])
 

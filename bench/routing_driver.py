@@ -41,12 +41,6 @@ class TurnRecord(RequestRecord):
     cached_tokens: int = 0  # the final message's usage.cached_prompt_tokens
     worker_id: str = ""
 
-    @property
-    def tpot_s(self) -> float | None:
-        # RequestRecord's divides by zero when one message carried every token (the gateway holds
-        # tokens back until their text is whole UTF-8 characters, so a reply can arrive at once).
-        return None if self.chunks and self.chunks[0][1] >= self.num_tokens else super().tpot_s
-
 
 @dataclass(frozen=True)
 class FakeWorkers:

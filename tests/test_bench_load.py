@@ -34,6 +34,9 @@ def test_record_latencies_count_from_the_scheduled_arrival():
     assert r.tpot_s == pytest.approx(0.4 / 3)
     failed = RequestRecord(index=1, priority=0, prompt_len=10, max_tokens=4, scheduled_s=0.0, error="UNAVAILABLE")
     assert not failed.ok and failed.ttft_s is None and failed.tpot_s is None
+    at_once = RequestRecord(index=2, priority=0, prompt_len=10, max_tokens=4, scheduled_s=0.0,
+                            chunks=[(1.0, 4)], end_s=1.0)  # one message carried every token
+    assert at_once.ok and at_once.ttft_s == pytest.approx(1.0) and at_once.tpot_s is None
 
 
 def test_buckets_follow_the_gateway_rule():

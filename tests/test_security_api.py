@@ -14,6 +14,7 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from bench.cluster_process import free_port
 from cluster_harness import LONG_MAX_TOKENS, Cluster
@@ -82,6 +83,10 @@ def test_a_missing_or_wrong_key_is_refused_before_any_work(cluster):
 def test_health_and_reflection_need_no_key(cluster):
     health = health_pb2_grpc.HealthStub(cluster.channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(cluster.channel)
+    answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                              timeout=5)
+    assert "inference.v1.InferenceService" in {s.name for a in answers for s in a.list_services_response.service}
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/health", timeout=5) as r:
         assert r.status == 200
 
