@@ -39,6 +39,7 @@ from bench.load_generator import run_load
 from bench.load_stats import LoadResult, percentile
 from bench.load_workload import LoadRequest, LoadSpec, make_load_workload, workload_totals
 from bench.openai_load import CLIENTS, CLUSTER_EXTRA, run_openai_load
+from bench.results_file import write_results
 from bench.serving_model import model_limits, resolve_model
 
 THROUGHPUT_TARGET = 0.90
@@ -493,12 +494,9 @@ def main(argv=None) -> int:
     for name, text in report["specs"].items():
         print(f"workload {name}: {text}")
     print(f"busy before: {busy or 'none'}; after: {report['busy_after'] or 'none'}; total {report['total_s']:.0f} s")
-    path = Path(args.json) if args.json else (DEFAULT_JSON.with_name("http_vs_grpc_quick.json") if args.quick
-                                              else DEFAULT_JSON)
-    path.parent.mkdir(parents=True, exist_ok=True)
     out = {**report, "runs": {phase: {name: [r.to_dict(with_records=True) for r in rs] for name, rs in sides.items()}
                               for phase, sides in phases.items()}}
-    path.write_text(json.dumps(out, indent=1, default=str))
+    path = write_results(out, args.json, DEFAULT_JSON, args.quick)
     log(f"wrote {path}")
     return 0
 

@@ -16,7 +16,6 @@ its hits). JSON goes to bench/results/routing.json (--quick: routing_quick.json)
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from bench.checkpoints import REPO_ROOT
 from bench.contention import busy_other_processes, wait_for_idle
 from bench.cpu_share import cpu_accounting
+from bench.results_file import write_results
 from bench.experiments.common import long_context_model, vocab_size
 from bench.routing_driver import (POLICIES, FakeWorkers, counter_deltas, play, read_counters, start_cluster)
 from bench.routing_report import print_report, ratios, summarize, targets
@@ -155,9 +155,7 @@ def main(argv=None) -> int:
     report["busy_after"] = busy_other_processes()
     report["total_s"] = time.perf_counter() - t0
     print_report(report)
-    path = args.json or (DEFAULT_JSON.with_name("routing_quick.json") if args.quick else DEFAULT_JSON)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str))
+    path = write_results(report, args.json, DEFAULT_JSON, args.quick)
     log(f"wrote {path} ({report['total_s']:.0f} s)")
     return 0
 

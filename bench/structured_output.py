@@ -50,6 +50,7 @@ import numpy as np
 from bench.contention import FOREIGN_LOAD_WARN, busy_other_processes, foreign_load, wait_for_idle
 from bench.engine_runs import EngineSettings, blocks_for, load_engine
 from bench.report import table
+from bench.results_file import write_results
 from bench.serving_model import DEFAULT_MODEL_DIR, is_servable, model_limits, served_bench_small
 from bench.workload import FULL, QUICK, Request, make_requests, make_warmup_requests
 
@@ -678,10 +679,7 @@ def main(argv=None) -> int:
     report["busy_after"] = busy_other_processes()
     report["total_s"] = time.perf_counter() - t_start
     print_report(report)
-    path = Path(args.json) if args.json else (
-        DEFAULT_JSON.with_name(DEFAULT_JSON.stem + "_quick.json") if args.quick else DEFAULT_JSON)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str))
+    path = write_results(report, args.json, DEFAULT_JSON, args.quick)
     log(f"wrote {path} ({report['total_s']:.0f} s)")
     return 0
 
