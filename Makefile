@@ -60,7 +60,7 @@ experiments: $(STAMP)
 # that CI installs; the project's own requirement stays a range.
 lock:
 	$(PY) -m pip install --quiet pip-tools
-	$(VENV)/bin/pip-compile --quiet --extra dev --strip-extras \
+	$(VENV)/bin/pip-compile --quiet --extra dev --extra ray --strip-extras \
 		-c .ci/torch-constraint.txt -o requirements.lock.tmp pyproject.toml
 	grep -vE '^--(extra-index-url|find-links)' requirements.lock.tmp \
 		| sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' > requirements.lock

@@ -46,8 +46,9 @@ def _load_prctl():
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In the child, before exec: SIGTERM when the supervisor dies, even by SIGKILL."""
+def die_with_parent(parent_pid: int) -> None:
+    """In the child, before exec (`preexec_fn`): SIGTERM when the parent dies, even by SIGKILL.
+    Linux ties this to the thread that forked, so that thread must live as long as the child."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the supervisor died before the request above took hold
@@ -92,7 +93,7 @@ class Supervisor:
             started = time.monotonic()
             parent = os.getpid()
             self._child_told = False
-            self.child = subprocess.Popen(self.child_argv, preexec_fn=lambda: _die_with_parent(parent))
+            self.child = subprocess.Popen(self.child_argv, preexec_fn=lambda: die_with_parent(parent))
             self.num_starts += 1
             log.info("started %s pid %d (start #%d)", self.name, self.child.pid, self.num_starts)
             returncode = self._wait()

@@ -1,7 +1,8 @@
 """The dependency rules of the design, read from the source so they cannot rot.
 
 protos -> shared -> {gateway, worker}; the gateway never imports torch or worker; the
-worker never imports gateway or grpc; request/block manager/scheduler are pure Python;
+worker never imports gateway or grpc; nothing of the core imports the deploy launchers or Ray;
+request/block manager/scheduler are pure Python;
 the model knows nothing of requests, schedulers or sockets; and no module of the project
 imports itself back through others, not even under `if TYPE_CHECKING:` or inside a function.
 Every layering check of the test suite lives here, on the one import reader below.
@@ -16,16 +17,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protos", "shared", "gateway", "worker", "bench", "tools")
+PACKAGES = ("protos", "shared", "gateway", "worker", "bench", "tools", "deploy")
 
 # package (or module path prefix) -> top-level imports it must never make
 BANNED = {
-    "protos": {"shared", "gateway", "worker", "torch"},
+    "protos": {"shared", "gateway", "worker", "torch", "deploy", "ray"},
     # shared/ipc.py is where ZeroMQ is wrapped once; gRPC belongs to the gateway alone.
-    "shared": {"gateway", "worker", "torch", "grpc", "numpy", "transformers"},
+    "shared": {"gateway", "worker", "torch", "grpc", "numpy", "transformers", "deploy", "ray"},
     # transformers imports torch whenever torch is installed, so it is banned here too.
-    "gateway": {"worker", "torch", "transformers"},
-    "worker": {"gateway", "grpc"},
+    "gateway": {"worker", "torch", "transformers", "deploy", "ray"},
+    "worker": {"gateway", "grpc", "deploy", "ray"},
+    # The launchers drive the processes from outside: never their internals.
+    "deploy": {"gateway", "worker", "torch"},
     "worker/model": {"worker.engine", "worker.scheduler", "worker.block_manager", "worker.request",
                      "worker.model_runner", "zmq", "grpc", "transformers"},
 }
@@ -33,7 +36,8 @@ PURE_PYTHON = ["worker/request.py", "worker/block_manager.py", "worker/scheduler
                "shared/engine_config.py"]
 PURE_BANNED = {"torch", "numpy"}
 # Modules whose own imports are the standard library only (no project module either).
-STDLIB_ONLY = ["worker/block_manager.py", "shared/quantization_rule.py", "shared/supervisor.py", "shared/block_hash.py"]
+STDLIB_ONLY = ["worker/block_manager.py", "shared/quantization_rule.py", "shared/supervisor.py", "shared/block_hash.py",
+               "deploy/ray/process.py"]
 
 
 # ---- reading imports --------------------------------------------------------------------------
