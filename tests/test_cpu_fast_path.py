@@ -1,6 +1,7 @@
 """The CPU fast path (worker/model/cpu_fast_path.py): the same hidden states, K/V writes and
-logits as the plain modules, by either route (every layer in one call, or kernel by kernel);
-chosen once, with a reason, and declined wherever the modules must run."""
+logits as the plain modules, by either route (every layer in one call, or kernel by kernel),
+float or weight-only quantized (INT8, INT4, mixed; with input scales and biases); chosen once,
+with a reason, and declined wherever the modules must run."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,10 @@ from shared.sampling_params import SamplingParams
 from worker.model import cpu_kernels
 from worker.model.attention import paged_attention_reference
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
+from worker.model.quantization import SMALL_ROWS, QuantizedLinear
+from worker.model.quantize_model import quantize_model
 from worker.model.weights import load_model
+from shared.quantization_rule import QuantizationRule
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")
 
@@ -172,9 +176,63 @@ def test_forward_hooks_observe_the_modules_which_the_runner_runs_without_a_fast_
     assert seen == [6, 1, 1]
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+def _quantized(folder, rule: str, small_path: str = "ours", path: str = "dequant", input_scales: bool = False):
+    model = load_model(folder)
+    scales = None
+    if input_scales:  # as calibration gives them: one positive factor per input feature
+        g = torch.Generator().manual_seed(11)
+        scales = {name: torch.rand(m.in_features, generator=g) + 0.5 for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name != "lm_head"}
+    quantize_model(model, QuantizationRule.parse(rule), measure_paths=False, input_scales=scales)
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.small_path, m.path = small_path, path
+    return model
+
+
+@pytest.mark.parametrize("rule", ["*:int8", "*:int4", "attention:int8,mlp:int4"])
+@pytest.mark.parametrize("input_scales", [False, True])
+def test_quantized_layers_take_the_one_call_on_small_steps(tmp_path, rule, input_scales):
+    """Our INT8 / INT4 kernels inside the one call: the same hidden states, logits and K/V as the
+    layer-by-layer route through the modules, on steps of up to SMALL_ROWS tokens; larger steps,
+    whose quantized path is another one, go layer by layer."""
+    folder = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=3, attention_bias=True, mlp_bias=True,
+                             hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    model = _quantized(folder, rule, input_scales=input_scales)
+    fast, reason = choose_fast_path(model, release_float_weights=False)
+    assert fast.one_call_tensors is not None and fast.one_call_tensors_large is None, reason
+    assert f"up to {SMALL_ROWS} tokens" in reason
+    by_layers = CpuFastPath(model, cpu_kernels.load(), release_float_weights=False, one_call=False)
+    counting = _counting(fast)
+    for query_lens, context_lens, one_call in (([1, 1, 1], [40, 17, 3], True), ([1, 1, 9], [5, 0, 16], True),
+                                                ([1, 40], [3, 0], False)):
+        step = _step(model, query_lens, context_lens)
+        before = counting.one_calls
+        _assert_same(_forward(fast, step), _forward(by_layers, step))
+        assert counting.one_calls - before == int(one_call), (query_lens, one_call)
+    torch.testing.assert_close(_forward(fast, step)[1], _forward(model, step)[1], atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_layers_whose_paths_are_all_ours_take_the_one_call_at_every_size(tmp_path):
+    model = _quantized(make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=2), "*:int8", path="ours")
+    fast, reason = choose_fast_path(model, release_float_weights=False)
+    assert fast.one_call_tensors_large is not None and reason.endswith("every decoder layer in one call")
+    step = _step(model, [1, 40], [3, 0])
+    _assert_same(_forward(fast, step), _forward(model, step))
+
+
+def test_a_quantized_layer_on_another_path_keeps_every_step_layer_by_layer(tmp_path):
+    model = _quantized(make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=2), "*:int8")
+    model.layers[1].mlp.down_proj.small_path = "dequant"  # its plan measured torch's faster
+    fast, reason = choose_fast_path(model, release_float_weights=False)
+    assert fast.one_call_tensors is None and fast.one_call_tensors_large is None and "layer by layer" in reason
+    step = _step(model, [1, 1], [7, 2])
+    _assert_same(_forward(fast, step), _forward(model, step))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_an_engine_gives_the_same_tokens_with_and_without_its_fast_path(tmp_path, quantization):
-    """Quantized projections keep the layer-by-layer route (they compute through their modules)."""
+    """With the quantization paths its plan measured, whichever route that makes."""
     from worker.engine import Engine
     engine = Engine.from_model_dir(make_checkpoint(tmp_path / "llama", "llama"), num_kv_blocks=64,
                                    quantization=quantization, quantization_calibration="none")
@@ -182,7 +240,9 @@ def test_an_engine_gives_the_same_tokens_with_and_without_its_fast_path(tmp_path
     engine.runner.fast_path = None
     modules = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
     fast, reason = choose_fast_path(engine.model, engine.runner.attention_fn)
-    assert (fast.one_call_tensors is None) == (quantization == "int8"), reason
+    small_ours = all(m.small_path == "ours" for name, m in engine.model.named_modules()
+                     if isinstance(m, QuantizedLinear) and name.startswith("layers."))
+    assert (fast.one_call_tensors is not None) == (quantization == "none" or small_ours), reason
     engine.runner.fast_path = fast
     engine.evict_prefix_cache()
     assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == modules

@@ -5,8 +5,10 @@ says why when it declines.
 It computes what the modules compute (worker/model/transformer.py is the reference; the tests
 hold the two together), with the weights in the kernels' layouts: float projections as packed
 panels, quantized ones through their own QuantizedLinear (by the path their plan measured).
-Where every projection of the decoder layers is packed, one call runs every layer of a step
-(csrc/decoder_layers.cpp); otherwise the kernels run one call at a time, layer by layer.
+One call runs every layer of a step (csrc/decoder_layers.cpp) where every projection of the
+decoder layers is packed or quantized with our kernels as its path for the step's size (INT8
+and INT4 widen their weights in registers there too); otherwise the kernels run one call at a
+time, layer by layer, and the quantized projections through their modules.
 
 Build it only once the weights are final (after calibration, quantization and placement): it
 keeps its own references to them, so later changes to the modules do not reach it, and forward
@@ -26,7 +28,7 @@ from torch import nn
 from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, prefill_attention
 from worker.model.layers import Linear
-from worker.model.quantization import QuantizedLinear
+from worker.model.quantization import SMALL_ROWS, QuantizedLinear
 from worker.model.transformer import AttentionFn, KVCache, Transformer
 
 # x [M, K] -> x W^T (+ b) [M, N], into `out` when given.
@@ -50,7 +52,18 @@ class ModuleLinear:
     """A projection with no packed form (a QuantizedLinear): its own forward computes it."""
 
     def __init__(self, module: nn.Module):
+        self.module = module
         self.forward = module.forward  # the module's compute, without nn.Module's call machinery
+
+    def one_call_tensors(self, rows: int) -> list[torch.Tensor | None] | None:
+        """(weight, scales, zeros, input scale, bias) for `decoder_layers`, where this layer's
+        path for steps of `rows` rows is our kernel, the one the call runs; else None."""
+        m = self.module
+        if not isinstance(m, QuantizedLinear):
+            return None
+        if (m.small_path if rows <= SMALL_ROWS else m.path) != "ours" or m.bits not in (8, 4):
+            return None
+        return [m.qweight, m.scales, m.zeros if m.bits == 4 else None, m.input_scale, m.bias]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = self.forward(x)
@@ -70,16 +83,25 @@ class LayerWeights:
     gate_up: Projection
     down: Projection
 
-    def one_call_tensors(self) -> list[torch.Tensor | None] | None:
-        """The list `decoder_layers` takes for this layer, in its order (norm, qkv, qkv bias,
-        q norm, k norm, o, o bias, norm, gate_up, gate_up bias, down, down bias; a missing bias
-        or q/k norm is None), or None if a projection is not packed."""
-        projections = (self.qkv, self.o, self.gate_up, self.down)
-        if not all(isinstance(p, PackedLinear) for p in projections):
-            return None
-        qkv, o, gate_up, down = projections
-        return [self.input_norm, qkv.panels, qkv.bias, self.q_norm, self.k_norm, o.panels, o.bias, self.post_norm,
-                gate_up.panels, gate_up.bias, down.panels, down.bias]
+    def one_call_tensors(self, rows: int) -> list[torch.Tensor | None] | None:
+        """The list `decoder_layers` takes for this layer on steps of `rows` rows, in its order
+        (norm, qkv, q norm, k norm, o, norm, gate_up, down; each projection as its weight,
+        scales, zeros, input scale and bias; whatever it lacks is None), or None if a projection
+        is neither packed nor quantized with our kernel as its path for that size."""
+        tensors = [self.input_norm]
+        for name in ("qkv", "o", "gate_up", "down"):
+            projection = getattr(self, name)
+            if isinstance(projection, PackedLinear):
+                tensors += [projection.panels, None, None, None, projection.bias]
+            elif (quantized := projection.one_call_tensors(rows)) is not None:
+                tensors += quantized
+            else:
+                return None
+            if name == "qkv":
+                tensors += [self.q_norm, self.k_norm]
+            elif name == "o":
+                tensors.append(self.post_norm)
+        return tensors
 
 
 def _projection(kernels, module: nn.Module, release: bool) -> Projection:
@@ -145,14 +167,28 @@ class CpuFastPath:
         # A head tied to the embedding keeps the float weight the lookup reads; panels are a copy.
         tied = isinstance(model.lm_head, Linear) and model.lm_head.weight is model.embed_tokens.weight
         self.head = _projection(kernels, model.lm_head, release_float_weights and not tied)
-        tensors = [layer.one_call_tensors() for layer in self.layers]
-        # Every layer in one call needs every projection packed (quantized ones are not).
-        self.one_call_tensors = tensors if one_call and tensors and all(t is not None for t in tensors) else None
+        # Every layer in one call needs every projection packed or quantized with our kernel as
+        # its path; a quantized layer may take it for small steps only, its plan having measured
+        # torch's kernels faster on large ones.
+        self.one_call_tensors = self._all_layers(one_call, SMALL_ROWS)  # steps of up to SMALL_ROWS tokens
+        self.one_call_tensors_large = self._all_layers(one_call, SMALL_ROWS + 1)  # larger ones
         self.prefill_kernel = bool(kernels.prefill_attention_supported(config.head_dim))
 
+    def _all_layers(self, one_call: bool, rows: int) -> list | None:
+        tensors = [layer.one_call_tensors(rows) for layer in self.layers]
+        return tensors if one_call and tensors and all(t is not None for t in tensors) else None
+
+    def _one_call_for(self, num_tokens: int) -> list | None:
+        return self.one_call_tensors if num_tokens <= SMALL_ROWS else self.one_call_tensors_large
+
     def describe(self) -> str:
-        route = ("every decoder layer in one call" if self.one_call_tensors is not None
-                 else "one kernel call at a time, layer by layer (quantized projections through their modules)")
+        if self.one_call_tensors_large is not None:
+            route = "every decoder layer in one call"
+        elif self.one_call_tensors is not None:
+            route = (f"every decoder layer in one call for steps of up to {SMALL_ROWS} tokens, layer by layer "
+                     f"beyond (quantized projections through their modules)")
+        else:
+            route = "one kernel call at a time, layer by layer (quantized projections through their modules)"
         if not self.prefill_kernel:
             route += f"; prompt chunks attend through SDPA (the prefill kernel does not take head_dim {self.head_dim})"
         return route
@@ -162,10 +198,11 @@ class CpuFastPath:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
         x = F.embedding(input_ids, self.embedding)  # [T, hidden]
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] each
-        if self.one_call_tensors is not None and (self.prefill_kernel or meta.num_decodes == x.shape[0]):
+        one_call = self._one_call_for(x.shape[0])
+        if one_call is not None and (self.prefill_kernel or meta.num_decodes == x.shape[0]):
             # x is the call's scratch: it comes back as the residual stream after the last layer.
             x = self.kernels.decoder_layers(
-                x, self.one_call_tensors, cos, sin, meta.slot_mapping, [k for k, _ in kv_caches],
+                x, one_call, cos, sin, meta.slot_mapping, [k for k, _ in kv_caches],
                 [v for _, v in kv_caches], meta.block_tables, meta.seq_lens, meta.prefill_query_starts,
                 meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
                 self.scale, self.eps)

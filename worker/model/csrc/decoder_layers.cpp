@@ -3,7 +3,9 @@
 // (worker/model/transformer.py), without the Python between them. On a decode step the Python
 // dispatch between about a hundred small calls for a model's layers is a large share of the
 // step (docs/benchmarks.md); here it is a few C++ calls per layer. Qwen3's per-head q/k norms
-// run in place in qkv, before the rotary embedding.
+// run in place in qkv, before the rotary embedding. A projection is a float one (packed panels)
+// or a weight-only quantized one (INT8 per channel, INT4 per group), told apart by its weight's
+// dtype, each through the kernel its layer-by-layer route takes (linear.cpp).
 #include "kernels.h"
 
 #include <optional>
@@ -11,22 +13,51 @@
 
 namespace {
 
-// Per-layer tensors, in the order the Python side lists them (LayerWeights.one_call_tensors).
+// Per projection, in the order the Python side lists them (LayerWeights.one_call_tensors): the
+// weight (float32 panels, int8 [N, K] or uint8 [N, K/2]), its scales and zeros (quantized
+// only; zeros INT4 only), the input scale x is multiplied by first (quantized only, optional)
+// and the bias (optional).
+enum ProjectionTensor { kWeight, kScales, kZeros, kInputScale, kBias, kNumProjectionTensors };
+// Per layer: the projections' slots start at these offsets.
 enum LayerTensor {
-  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias,
-  kNumLayerTensors
+  kInputNorm = 0,
+  kQkv = 1,
+  kQNorm = kQkv + kNumProjectionTensors,
+  kKNorm,
+  kOut,
+  kPostNorm = kOut + kNumProjectionTensors,
+  kGateUp,
+  kDown = kGateUp + kNumProjectionTensors,
+  kNumLayerTensors = kDown + kNumProjectionTensors
 };
 
 using LayerTensors = std::vector<std::optional<at::Tensor>>;
 
-void add_bias(at::Tensor& out, const std::optional<at::Tensor>& bias) {
-  if (bias.has_value()) out.add_(*bias);
+bool valid_projection(const LayerTensors& layer, int first) {
+  const auto& weight = layer[first + kWeight];
+  if (!weight) return false;
+  if (weight->dtype() == at::kFloat) return !layer[first + kScales] && !layer[first + kInputScale];
+  if (weight->dtype() == at::kChar) return layer[first + kScales].has_value() && !layer[first + kZeros];
+  if (weight->dtype() == at::kByte) return layer[first + kScales].has_value() && layer[first + kZeros].has_value();
+  return false;
 }
 
-// out [T, N] = x @ W^T (+ bias) for a packed W of N outputs.
-void project(const at::Tensor& x, const LayerTensors& layer, LayerTensor weight, LayerTensor bias, at::Tensor out) {
-  linear_packed(x, *layer[weight], out);
-  add_bias(out, layer[bias]);
+// out [T, N] = x @ W^T (+ bias), by the projection's kind.
+void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tensor out) {
+  const at::Tensor& weight = *layer[first + kWeight];
+  if (weight.dtype() == at::kFloat) {
+    linear_packed(x, weight, out);
+  } else {
+    const auto& input_scale = layer[first + kInputScale];
+    const at::Tensor input = input_scale ? (x * *input_scale) : x.contiguous();
+    const at::Tensor& scales = *layer[first + kScales];
+    if (weight.dtype() == at::kChar) {
+      linear_small_batch_int8(input, weight, scales, out);
+    } else {
+      linear_small_batch_int4(input, weight, scales, *layer[first + kZeros], input.size(1) / scales.size(1), out);
+    }
+  }
+  if (const auto& bias = layer[first + kBias]) out.add_(*bias);
 }
 
 }  // namespace
@@ -44,10 +75,11 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
               "one K and one V pool per layer");
   TORCH_CHECK(num_decodes >= 0 && num_decodes <= tokens, "num_decodes within the step's tokens");
   for (const auto& layer : layers)
-    TORCH_CHECK(layer.size() == kNumLayerTensors && layer[kInputNorm] && layer[kQkv] && layer[kOut] &&
-                layer[kPostNorm] && layer[kGateUp] && layer[kDown] &&
-                layer[kQNorm].has_value() == layer[kKNorm].has_value(), "each layer lists its ", kNumLayerTensors,
-                " tensors (biases, and q/k norms together, may be None)");
+    TORCH_CHECK(layer.size() == kNumLayerTensors && layer[kInputNorm] && layer[kPostNorm] &&
+                valid_projection(layer, kQkv) && valid_projection(layer, kOut) && valid_projection(layer, kGateUp) &&
+                valid_projection(layer, kDown) && layer[kQNorm].has_value() == layer[kKNorm].has_value(),
+                "each layer lists its ", kNumLayerTensors, " tensors: float projections as panels, quantized ones "
+                "with their scales (and INT4 zeros); biases, input scales, and q/k norms together, may be None");
   const int64_t q_size = num_heads * head_dim;
   const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
   const auto options = x.options();
@@ -66,7 +98,7 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
   rms_norm(residual, *layers[0][kInputNorm], eps, normed);
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerTensors& layer = layers[l];
-    project(normed, layer, kQkv, kQkvBias, qkv);
+    project(normed, layer, kQkv, qkv);
     if (layer[kQNorm]) head_rms_norm(qkv, *layer[kQNorm], *layer[kKNorm], num_heads, num_kv_heads, eps);
     rotary_and_write_kv(qkv, cos, sin, slot_mapping, k_caches[l], v_caches[l], num_heads);
     at::Tensor attended = attention;
@@ -86,12 +118,12 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
                               seq_lens.narrow(0, num_decodes, num_seqs - num_decodes), query_starts, scale,
                               attention.narrow(0, num_decodes, tokens - num_decodes));
     }
-    project(attended.view({tokens, q_size}), layer, kOut, kOutBias, spare);
+    project(attended.view({tokens, q_size}), layer, kOut, spare);
     add_rms_norm(spare, residual, *layer[kPostNorm], eps, normed);  // spare = residual + attention
     std::swap(residual, spare);
-    project(normed, layer, kGateUp, kGateUpBias, gate_up);
+    project(normed, layer, kGateUp, gate_up);
     silu_and_mul(gate_up, activation);
-    project(activation, layer, kDown, kDownBias, spare);
+    project(activation, layer, kDown, spare);
     if (l + 1 < num_layers) {
       add_rms_norm(spare, residual, *layers[l + 1][kInputNorm], eps, normed);  // spare = residual + mlp
     } else {
