@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization bench-routing experiments gpu-check lock protos clean
+.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench-quantization: $(STAMP)
 # Cache-aware routing against least-loaded and round-robin: 8 and 32 fake workers, 2 real ones (~18 min).
 bench-routing: $(STAMP)
 	$(PY) -m bench.routing
+
+# One gateway's ceiling: tokens/s relayed to gRPC streams from 8, 32 and 128 fake workers over tcp:// (~10 min).
+bench-gateway: $(STAMP)
+	$(PY) -m bench.gateway_ceiling --wait-quiet 30
 
 # The CUDA paths the CPU test suite cannot reach, on a GPU host (`--device cpu` dry-runs it here).
 gpu-check: $(STAMP)

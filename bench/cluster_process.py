@@ -58,10 +58,12 @@ class ClusterProcess:
 
     def __init__(self, model_dir: Path, num_workers: int = 1, sections: dict[str, dict] | None = None,
                  gateway_module: list[str] | None = None, worker_module: list[str] | None = None,
-                 api_key: str | None = None, tls_root: bytes | None = None):
+                 api_key: str | None = None, tls_root: bytes | None = None, workers_per_process: int = 1):
         """gateway_module / worker_module replace `gateway` / `worker` after `python -m` (e.g. to run the
         gateway under cProfile, or a model-free worker); the worker gets `--worker-id ID` appended.
-        `api_key` is sent on this object's own calls; `tls_root` (a CA's PEM) makes them over TLS."""
+        `api_key` is sent on this object's own calls; `tls_root` (a CA's PEM) makes them over TLS.
+        `workers_per_process` > 1 runs that many workers in each process, named `workers-FIRST-LAST`,
+        with one `--worker-id` each (a module that takes several: bench/fake_worker.py)."""
         self.api_key = api_key
         self.tls_root = tls_root
         self.gateway_module = gateway_module or ["gateway"]
@@ -70,6 +72,7 @@ class ClusterProcess:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.num_workers = num_workers
+        self.workers_per_process = workers_per_process
         sections = {k: dict(v) for k, v in (sections or {}).items()}
         # Metrics off unless asked for: a fixed port would clash with a cluster already running.
         sections["gateway"] = {"host": "127.0.0.1", "port": self.port, "metrics_port": 0, "http_port": 0,
@@ -90,8 +93,11 @@ class ClusterProcess:
     def start(self, ready_timeout_s: float = READY_TIMEOUT_S) -> "ClusterProcess":
         try:
             self._spawn("gateway", self.gateway_module)
-            for i in range(self.num_workers):
-                self._spawn(f"worker-{i}", [*self.worker_module, "--worker-id", f"worker-{i}"])
+            per = max(1, self.workers_per_process)
+            for first in range(0, self.num_workers, per):
+                ids = [f"worker-{i}" for i in range(first, min(first + per, self.num_workers))]
+                name = ids[0] if per == 1 else f"workers-{first}-{first + len(ids) - 1}"
+                self._spawn(name, [*self.worker_module, *(arg for i in ids for arg in ("--worker-id", i))])
             self.wait_ready(ready_timeout_s)
         except BaseException:
             self.stop()

@@ -9,6 +9,11 @@ Both processes read CLOCK_MONOTONIC (time.perf_counter on Linux), so the times c
 On SIGTERM it writes the trace {request_id: [send time of each step that gave it tokens]}.
 It depends only on the wire contract, not on the worker's internals, which change independently.
 
+`--worker-id` given several times runs that many workers in this one process (bench/gateway_ceiling.py:
+128 workers on 2 cores): each is still its own ZeroMQ peer, with its own socket, identity, incarnation,
+heartbeats, requests and cache; they only share the process, its ZeroMQ I/O thread and one poll
+loop, and one trace file (request ids are the gateway's, unique across workers).
+
 Prefix cache (bench/fake_prefix_cache.py, `--cache-blocks` in a pool of that many blocks): each
 request reuses the cached full blocks of its prompt, reports them as num_cached_tokens, registers
 its prompt's blocks once prefilled and its generated tokens' when it finishes, and the worker
@@ -22,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import zmq
 
 from bench.fake_prefix_cache import FakePrefixCache
 from protos import worker_pb2
@@ -63,6 +71,7 @@ class FakeWorker:
         self.prefill_free_s = 0.0  # when the simulated prefill of the requests admitted so far ends
         self.kv_seq = 0  # the last KvEvents seq sent
         self.next_heartbeat = 0.0
+        self.next_step = 0.0  # when the next step is due (the loop sets it on start)
         self.running: dict[str, _Running] = {}
         self.trace: dict[str, list[float]] = {}
         self.stopping = False
@@ -150,44 +159,81 @@ class FakeWorker:
         due = [e.ready_s for e in self.running.values() if e.ready_s is not None]
         return min([next_step if stepping else now + IDLE_POLL_S, *due])
 
+    def wake_s(self, now: float) -> float:
+        """When this worker next has something to do (a step, a prefill's end, an idle poll)."""
+        return self._wake_s(now, self.next_step)
+
+    def tick(self, envelopes: list[worker_pb2.Envelope]) -> None:
+        """One pass of the loop: act on what arrived, then step if due, and report."""
+        for envelope in envelopes:
+            self._handle(envelope)
+        now = time.perf_counter()
+        stepping = [rid for rid, e in self.running.items() if e.ready_s is None]
+        deltas = []
+        if stepping and now >= self.next_step:
+            deltas = [self._give_token(rid, self.running[rid]) for rid in stepping]
+            # Fixed cadence like a model whose step always takes step_s.
+            self.next_step = max(self.next_step + self.step_s, now)
+        elif not stepping:
+            self.next_step = now + self.step_s  # a new request's first token comes one step after it lands
+        for rid, e in list(self.running.items()):
+            if e.ready_s is not None and now >= e.ready_s:  # prefill done: its first token, at once
+                e.ready_s = None
+                deltas.append(self._give_token(rid, e))
+        self._send(deltas)
+        self._send_kv_events()  # before the heartbeat that counts them
+        self._heartbeat()
+
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
-        next_step = time.perf_counter()
-        try:
-            while not self.stopping:
-                now = time.perf_counter()
-                for envelope in self.socket.recv_all(max(0.0, self._wake_s(now, next_step) - now)):
-                    self._handle(envelope)
-                now = time.perf_counter()
-                stepping = [rid for rid, e in self.running.items() if e.ready_s is None]
-                deltas = []
-                if stepping and now >= next_step:
-                    deltas = [self._give_token(rid, self.running[rid]) for rid in stepping]
-                    # Fixed cadence like a model whose step always takes step_s.
-                    next_step = max(next_step + self.step_s, now)
-                elif not stepping:
-                    next_step = now + self.step_s  # a new request's first token comes one step after it lands
-                for rid, e in list(self.running.items()):
-                    if e.ready_s is not None and now >= e.ready_s:  # prefill done: its first token, at once
-                        e.ready_s = None
-                        deltas.append(self._give_token(rid, e))
-                self._send(deltas)
-                self._send_kv_events()  # before the heartbeat that counts them
-                self._heartbeat()
-        finally:
-            self.trace_path.write_text(json.dumps(self.trace))
-            self.socket.close()
-        return 0
+        return serve([self], self.trace_path)
 
     def _stop(self, *_):
         self.stopping = True
 
 
+def serve(workers: list[FakeWorker], trace_path: Path) -> int:
+    """Run `workers` in one loop until SIGTERM: each wakes when it is due or its socket has frames."""
+    def stop(*_):
+        for w in workers:
+            w._stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    poller = zmq.Poller()
+    by_socket = {}
+    start = time.perf_counter()
+    for i, w in enumerate(workers):
+        w.next_step = start
+        # Heartbeats spread over one interval, as independent workers' would be (the first at once).
+        w.next_heartbeat = start + i * w.worker.heartbeat_interval_s / len(workers)
+        poller.register(w.socket.socket, zmq.POLLIN)
+        by_socket[w.socket.socket] = w
+    try:
+        while not workers[0].stopping:
+            now = time.perf_counter()
+            wakes = [w.wake_s(now) for w in workers]
+            # Rounded up to whole ms (ZeroMQ's unit): a step a fraction of a ms late, never a spin.
+            readable = {by_socket[s] for s, _ in poller.poll(math.ceil(max(0.0, min(wakes) - now) * 1e3))}
+            now = time.perf_counter()
+            for w, wake in zip(workers, wakes):
+                if w.stopping:
+                    break
+                if w in readable or wake <= now:
+                    w.tick(w.socket.recv_all(0.0) if w in readable else [])
+    finally:
+        trace = {}
+        for w in workers:
+            trace.update(w.trace)
+            w.socket.close()
+        trace_path.write_text(json.dumps(trace))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.fake_worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker-id", required=True)
+    p.add_argument("--worker-id", required=True, action="append",
+                   help="this worker's id; given N times, N workers in this process")
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--trace", type=Path, required=True)
     p.add_argument("--cache-blocks", type=int, default=FAKE_KV_BLOCKS, help="KV pool (and prefix cache) in blocks")
@@ -195,8 +241,9 @@ def main(argv=None) -> int:
                    help="simulated prefill time per uncached prompt token (0: none)")
     add_config_flags(p)
     args = p.parse_args(argv)
-    return FakeWorker(config_from_args(args), args.worker_id, args.step_ms / 1e3, args.trace, args.cache_blocks,
-                      args.prefill_us_per_token / 1e6).run()
+    config = config_from_args(args)
+    return serve([FakeWorker(config, worker_id, args.step_ms / 1e3, args.trace, args.cache_blocks,
+                             args.prefill_us_per_token / 1e6) for worker_id in args.worker_id], args.trace)
 
 
 if __name__ == "__main__":
