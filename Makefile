@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway experiments gpu-check lock protos clean
+.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway bench-llama-cpp experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ bench-routing: $(STAMP)
 # One gateway's ceiling: tokens/s relayed to gRPC streams from 8, 32 and 128 fake workers over tcp:// (~10 min).
 bench-gateway: $(STAMP)
 	$(PY) -m bench.gateway_ceiling --wait-quiet 30
+
+# Our float32 / INT8 / INT4 against llama.cpp's f32 / q8_0 / q4_0, one stream and batched, on bench-small and
+# on a random model of TinyLlama-1.1B's shape (built once, 4.4 GB; ~30 min; needs ../shared/tools/build-llama-cpp).
+bench-llama-cpp: $(STAMP)
+	$(PY) -m bench.vs_llama_cpp --model bench-small
+	$(PY) -m bench.vs_llama_cpp --model tinyllama-shape
 
 # The CUDA paths the CPU test suite cannot reach, on a GPU host (`--device cpu` dry-runs it here).
 gpu-check: $(STAMP)

@@ -1,5 +1,6 @@
 """llama.cpp's llama-server as a benchmark baseline: find the binaries, convert bench-small to GGUF once,
 and run the server as a process that is always torn down.
+(`convert_to_gguf` converts any random checkpoint the same way.)
 
 The binaries and sources come from `shared/tools/build-llama-cpp` (cached under
 `~/.cache/llama.cpp-<version>/`; `$LLAMA_CPP_DIR` points at another such folder). bench-small
@@ -61,11 +62,15 @@ def _train_tokenizer(target: Path) -> None:
 
 def bench_small_gguf(llama_dir: Path) -> Path:
     """The float32 GGUF of bench-small, converted once (a few seconds) with llama.cpp's own converter."""
-    out = GGUF_DIR / GGUF_NAME
+    return convert_to_gguf(llama_dir, ensure_bench_small(BENCH_SMALL_DIR), GGUF_DIR / GGUF_NAME)
+
+
+def convert_to_gguf(llama_dir: Path, source: Path, out: Path) -> Path:
+    """`out`, the float32 GGUF of the random checkpoint `source` (no tokenizer of its own: one is
+    trained for the converter, see the module's docstring), converted once."""
     if out.is_file():
         return out
-    source = ensure_bench_small(BENCH_SMALL_DIR)
-    hf = GGUF_DIR / "hf"
+    hf = out.parent / f"{out.stem}-hf"
     shutil.rmtree(hf, ignore_errors=True)
     hf.mkdir(parents=True)
     for path in source.iterdir():
@@ -81,6 +86,7 @@ def bench_small_gguf(llama_dir: Path) -> Path:
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     partial.rename(out)
+    shutil.rmtree(hf, ignore_errors=True)
     return out
 
 

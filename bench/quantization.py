@@ -14,7 +14,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from bench.checkpoints import REPO_ROOT, ensure_bench_small
 from bench.contention import wait_for_idle
+from bench.json_child import run_json_child
 
 TEXTS = ["The json module", "The for statement", "Return the number of items", "os.path.join", "The class",
          "Raise an exception", "Open a file and", "A list is"]
@@ -61,12 +61,7 @@ def _prequantize(model_dir: Path, name: str) -> Path:
 
 
 def _run_child(spec: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        subprocess.run([sys.executable, "-m", "bench.quantization_child", str(spec_path), str(out_path)],
-                       check=True, cwd=REPO_ROOT)
-        return json.loads(out_path.read_text())
+    return run_json_child("bench.quantization_child", spec)
 
 
 def match_rate(reference: list[list[int]], outputs: list[list[int]]) -> tuple[int, float]:

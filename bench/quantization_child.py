@@ -10,13 +10,13 @@ heldout (score the model folder's heldout_sample.txt). Writes one JSON record.
 from __future__ import annotations
 
 import itertools
-import json
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
+
+from bench.json_child import json_child_main
 
 
 def _rss_peak_bytes() -> int:
@@ -97,10 +97,5 @@ def measure(spec: dict) -> dict:
     return record
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(measure(spec)))
-
-
 if __name__ == "__main__":
-    main()
+    json_child_main(measure)

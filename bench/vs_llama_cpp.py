@@ -1,0 +1,157 @@
+"""`python -m bench.vs_llama_cpp [--model bench-small|tinyllama-shape] [--rounds 2] [--quick]`: our
+engine against llama.cpp on the same random weights, side by side in one run.
+
+For each weight format (our float32, INT8 and INT4, the output head quantized too, against
+llama.cpp's f32, q8_0 and q4_0 of the same checkpoint): the single-stream decode rate (ours:
+(t(n+1) - t(1)) / n; theirs: `llama-bench` tg<n>) and the batched generation rate (N sequences of
+P prompt + G new tokens; theirs: `llama-batched-bench`), each format's runs alternating ours and
+theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds.
+Also: the memory-bandwidth bound of each single-stream rate (the weight bytes a step reads over
+the measured copy bandwidth) and our fixed per-step cost (the step of a hidden-64, 8-layer model
+with almost no weights). llama.cpp comes from `shared/tools/build-llama-cpp`; checkpoints and
+GGUFs are made once under `.cache/`. Not part of `make test`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench import llama_cpp_tools
+from bench.checkpoints import REPO_ROOT, ensure_checkpoint
+from bench.hardware_bounds import measure_copy_gbps
+from bench.json_child import run_json_child
+from bench.llama_server import find_llama_cpp
+from bench.results_file import write_results
+
+DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "vs_llama_cpp.json"
+# (our format, its engine settings, llama.cpp's GGUF type); the head is quantized on both sides.
+FORMATS = [
+    ("float32", {}, "f32"),
+    ("int8", {"quantization": "mixed", "quantization_rule": "*:int8,head:int8"}, "q8_0"),
+    ("int4", {"quantization": "mixed", "quantization_rule": "*:int4,head:int4"}, "q4_0"),
+]
+# Per model: decode tokens, (sequences, prompt length, new tokens) of the batched run.
+SETTINGS = {
+    "bench-small": dict(decode_tokens=128, batched=(32, 332, 140)),
+    "tinyllama-shape": dict(decode_tokens=32, batched=(8, 128, 32)),
+}
+QUICK = dict(decode_tokens=16, batched=(4, 32, 8))
+
+
+def run_ours(model_dir: Path, engine: dict, decode_tokens: int, batched, threads: int, repeats: int) -> dict:
+    sequences, prompt_len, new_tokens = batched or (1, 8, decode_tokens + 1)
+    blocks = sequences * (-(-(prompt_len + new_tokens) // 16) + 1) + 16  # every sequence whole, no preemption
+    spec = dict(model_dir=str(model_dir), decode_tokens=decode_tokens, repeats=repeats, batched=batched,
+                engine=dict(device="cpu", num_threads=threads, quantization_calibration="none",
+                            num_kv_blocks=blocks, max_num_seqs=sequences, **engine))
+    return run_json_child("bench.ours_decode_child", spec)
+
+
+def run_theirs(llama_dir: Path, gguf: Path, decode_tokens: int, batched, threads: int, repeats: int) -> dict:
+    record = {"decode_tok_s": llama_cpp_tools.decode_rate(llama_dir, gguf, threads, decode_tokens, repeats),
+              "weight_bytes_per_token": gguf.stat().st_size}
+    if batched:
+        record["batched_tok_s"] = llama_cpp_tools.batched_rate(llama_dir, gguf, threads, batched[1], batched[2],
+                                                               batched[0])
+    return record
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(rounds: dict[str, dict[str, list[dict]]], copy_gbps: float) -> list[dict]:
+    rows = []
+    for name, _, kind in FORMATS:
+        ours, theirs = rounds[name]["ours"], rounds[name]["theirs"]
+        row = {"format": name, "llama_cpp": kind}
+        for key in ("decode_tok_s", "batched_tok_s"):
+            row[f"ours_{key}"], row[f"theirs_{key}"] = _median(ours, key), _median(theirs, key)
+            row[f"ratio_{key}"] = (row[f"ours_{key}"] / row[f"theirs_{key}"]
+                                   if row[f"ours_{key}"] and row[f"theirs_{key}"] else None)
+        for side, runs in (("ours", ours), ("theirs", theirs)):
+            weight_bytes = runs[0]["weight_bytes_per_token"]
+            bound = copy_gbps * 1e9 / weight_bytes
+            row[f"{side}_weight_mib"] = weight_bytes / 2**20
+            row[f"{side}_of_bound"] = row[f"{side}_decode_tok_s"] / bound if row[f"{side}_decode_tok_s"] else None
+        row["route"] = ours[0]["route"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report(rows: list[dict], overhead: dict, copy_gbps: float, model: str, settings: dict) -> str:
+    sequences, prompt_len, new_tokens = settings["batched"]
+    lines = [f"## {model}: ours against llama.cpp, 2 threads", "",
+             f"Single stream: tg{settings['decode_tokens']}. Batched: {sequences} sequences x {prompt_len} prompt "
+             f"+ {new_tokens} new tokens, generated tokens over the whole run. Copy bandwidth {copy_gbps:.1f} GB/s.",
+             "", "| format | ours tok/s | llama.cpp tok/s | ratio | ours of bound (weights MiB) | llama.cpp of bound "
+             "(GGUF MiB) | batched ours | batched llama.cpp | ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['format']} / {r['llama_cpp']} | {_fmt(r['ours_decode_tok_s'])} | {_fmt(r['theirs_decode_tok_s'])} "
+            f"| {_fmt(r['ratio_decode_tok_s'], '.2f')}x | {_fmt(r['ours_of_bound'], '.0%')} "
+            f"({r['ours_weight_mib']:.0f}) | {_fmt(r['theirs_of_bound'], '.0%')} ({r['theirs_weight_mib']:.0f}) "
+            f"| {_fmt(r['ours_batched_tok_s'])} | {_fmt(r['theirs_batched_tok_s'])} "
+            f"| {_fmt(r['ratio_batched_tok_s'], '.2f')}x |")
+    lines += ["", f"Fixed per-step cost (hidden 64, 8 layers, batch 1): {_fmt(overhead['step_ms'], '.3f')} ms "
+                  f"({overhead['decode_tok_s']:.0f} tok/s; route: {overhead['route']})."]
+    lines += [f"- {r['format']}: {r['route']}" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.vs_llama_cpp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SETTINGS), default="bench-small")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement within a round")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-batched", action="store_true", help="single stream only")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens, one round")
+    parser.add_argument("--json", default=None, help=f"results file (default {DEFAULT_RESULTS.relative_to(REPO_ROOT)})")
+    args = parser.parse_args(argv)
+    llama_dir, why = find_llama_cpp()
+    if llama_dir is None:
+        print(f"llama.cpp not found: {why}", file=sys.stderr)
+        return 2
+    settings = dict(SETTINGS[args.model], **(QUICK if args.quick else {}))
+    batched = None if args.no_batched else settings["batched"]
+    rounds_count = 1 if args.quick else args.rounds
+    model_dir = ensure_checkpoint(args.model)
+    ggufs = llama_cpp_tools.gguf_files(llama_dir, model_dir, args.model)
+    copy_before = measure_copy_gbps()
+    rounds = {name: {"ours": [], "theirs": []} for name, _, _ in FORMATS}
+    for round_index in range(rounds_count):
+        for name, engine, kind in FORMATS:
+            sides = [("ours", lambda: run_ours(model_dir, engine, settings["decode_tokens"], batched, args.threads,
+                                               args.repeats)),
+                     ("theirs", lambda: run_theirs(llama_dir, ggufs[kind], settings["decode_tokens"], batched,
+                                                   args.threads, args.repeats))]
+            for side, run in sides if round_index % 2 == 0 else reversed(sides):
+                started = time.perf_counter()
+                rounds[name][side].append(run())
+                print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1} {name} {side}: "
+                      f"{rounds[name][side][-1]['decode_tok_s']:.1f} tok/s ({time.perf_counter() - started:.0f} s)",
+                      file=sys.stderr, flush=True)
+    overhead = run_ours(ensure_checkpoint("overhead-probe"), {}, 64, None, args.threads, args.repeats)
+    copy_gbps = statistics.median([copy_before, measure_copy_gbps()])
+    rows = summarize(rounds, copy_gbps)
+    print(report(rows, overhead, copy_gbps, args.model, dict(settings, batched=batched or settings["batched"])))
+    path = write_results({"model": args.model, "settings": settings, "threads": args.threads,
+                          "copy_gbps": copy_gbps, "rows": rows, "overhead": overhead, "rounds": rounds,
+                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                         args.json, DEFAULT_RESULTS.with_name(f"vs_llama_cpp_{args.model}.json"), args.quick)
+    print(f"\nresults: {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

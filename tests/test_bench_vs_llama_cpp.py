@@ -1,0 +1,75 @@
+"""bench.vs_llama_cpp's machinery, without llama.cpp or a benchmark's worth of time: llama.cpp's
+outputs parsed as its tools print them, our child's measurements on a tiny checkpoint (rates
+positive, the weight bytes a step reads smaller for each narrower format), and the summary's
+medians, ratios and bounds."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import llama_cpp_tools, vs_llama_cpp
+from bench.ours_decode_child import measure
+from conftest import make_checkpoint
+
+BATCHED_OUTPUT = """
+main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0, n_gpu_layers = -1
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    32 |      8 |    4 |    160 |    0.057 |  2232.84 |    0.040 |   802.57 |    0.097 |  1646.12 |
+"""
+
+
+def test_the_batched_rate_is_generated_tokens_over_the_whole_run(monkeypatch):
+    seen = []
+    monkeypatch.setattr(llama_cpp_tools, "_run", lambda argv: seen.append(argv) or BATCHED_OUTPUT)
+    rate = llama_cpp_tools.batched_rate(Path("/llama"), Path("m.gguf"), 2, prompt_len=32, new_tokens=8, sequences=4)
+    assert rate == pytest.approx(4 * 8 / 0.097)
+    assert seen[0][seen[0].index("-npl") + 1] == "4" and "--no-repack" in seen[0]
+    with pytest.raises(RuntimeError, match="no row"):
+        llama_cpp_tools.batched_rate(Path("/llama"), Path("m.gguf"), 2, prompt_len=64, new_tokens=8, sequences=4)
+
+
+def test_the_decode_rate_is_llama_benchs_tg_row(monkeypatch):
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 900.0}, {"n_prompt": 0, "n_gen": 128, "avg_ts": 246.4}]
+    monkeypatch.setattr(llama_cpp_tools, "_run", lambda argv: json.dumps(rows))
+    assert llama_cpp_tools.decode_rate(Path("/llama"), Path("m.gguf"), 2, 128, 3) == 246.4
+    with pytest.raises(RuntimeError, match="tg64"):
+        llama_cpp_tools.decode_rate(Path("/llama"), Path("m.gguf"), 2, 64, 3)
+
+
+def test_our_child_measures_each_format(tmp_path):
+    folder = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                             num_attention_heads=4, num_key_value_heads=2)
+    records = {}
+    for name, engine, _ in vs_llama_cpp.FORMATS:
+        spec = dict(model_dir=str(folder), decode_tokens=6, repeats=1, batched=[3, 10, 4],
+                    engine=dict(engine, device="cpu", num_threads=1, quantization_calibration="none",
+                                num_kv_blocks=64, max_num_seqs=3))
+        records[name] = measure(spec)
+    for name, record in records.items():
+        # (t(n+1) - t(1)) / n: a difference of wall times, which a loaded machine can make <= 0 (rate 0).
+        assert record["decode_tok_s"] >= 0 and record["batched_tok_s"] > 0, name
+    sizes = [records[name]["weight_bytes_per_token"] for name in ("float32", "int8", "int4")]
+    assert sizes[0] > sizes[1] > sizes[2] > 0
+    assert "one call" in records["int8"]["route"]
+
+
+def test_the_summary_takes_medians_and_ratios():
+    def runs(decode, batched, weight_bytes):
+        return [{"decode_tok_s": d, "batched_tok_s": batched, "weight_bytes_per_token": weight_bytes, "route": "r"}
+                for d in decode]
+
+    rounds = {name: {"ours": runs([100.0, 120.0, 110.0], 300.0, 40e6), "theirs": runs([200.0, 220.0, 210.0], 150.0, 50e6)}
+              for name, _, _ in vs_llama_cpp.FORMATS}
+    rows = vs_llama_cpp.summarize(rounds, copy_gbps=20.0)
+    assert [r["format"] for r in rows] == ["float32", "int8", "int4"]
+    row = rows[0]
+    assert row["ours_decode_tok_s"] == 110.0 and row["theirs_decode_tok_s"] == 210.0
+    assert row["ratio_decode_tok_s"] == pytest.approx(110 / 210) and row["ratio_batched_tok_s"] == 2.0
+    assert row["ours_of_bound"] == pytest.approx(110 / (20e9 / 40e6))
+    text = vs_llama_cpp.report(rows, {"step_ms": 0.3, "decode_tok_s": 3333.0, "route": "r"}, 20.0, "bench-small",
+                               vs_llama_cpp.SETTINGS["bench-small"])
+    assert "| float32 / f32 | 110.0 | 210.0 | 0.52x |" in text and "0.300 ms" in text
