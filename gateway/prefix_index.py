@@ -3,7 +3,9 @@
 Workers report the blocks their block manager registers and evicts (`KvEvents`, by the chained
 block hashes of shared/block_hash.py), numbered per incarnation. The index keeps, for every hash
 some worker caches, the set of workers that hold it, so its memory is the union of the workers'
-cached blocks, and a lookup walks the prompt's hashes once: O(blocks in the prompt).
+cached blocks, and a lookup walks the prompt's hashes once: O(blocks in the prompt). The prompts
+routed (`note_chain`) also say where chains branch: a cached block that two prompts continue
+differently is a shared prefix (a system prompt), not one conversation's history.
 
 A report that arrives out of turn (a gap in the numbers), or one a heartbeat says was sent and
 that has not arrived by the next heartbeat, means the index lost track of that worker: it asks
@@ -20,6 +22,7 @@ from protos import worker_pb2
 
 log = logging.getLogger(__name__)
 SNAPSHOT_RETRY_S = 1.0  # a snapshot asked for and not received by then is asked for again
+MAX_CHILDREN = 2  # continuations remembered per block: enough to tell a branch from a chain
 
 
 @dataclass
@@ -36,6 +39,9 @@ class _WorkerCache:
 class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = {}  # block hash -> workers caching it
+        # cached block -> the next blocks of the prompts routed through it (at most MAX_CHILDREN);
+        # an entry lives as long as some worker caches its block, so memory stays the union's.
+        self._children: dict[bytes, set[bytes]] = {}
         self._workers: dict[str, _WorkerCache] = {}
         self.num_snapshots = 0  # snapshots applied (the dispatcher counts them in metrics)
 
@@ -112,6 +118,22 @@ class PrefixIndex:
                 matched[worker_id] = i + 1
         return matched
 
+    def note_chain(self, hashes: list[bytes]) -> None:
+        """A prompt with these chained hashes was routed: each cached block of it is continued by the next."""
+        for parent, child in zip(hashes, hashes[1:]):
+            if parent in self._holders:
+                children = self._children.setdefault(parent, set())
+                if len(children) < MAX_CHILDREN:
+                    children.add(child)
+
+    def is_shared(self, hashes: list[bytes], num_blocks: int) -> bool:
+        """Whether the first `num_blocks` of the chain `hashes` end where another routed prompt went on
+        differently: a prefix several conversations share, not the history of this one."""
+        if num_blocks <= 0:
+            return False
+        own_next = hashes[num_blocks] if num_blocks < len(hashes) else None
+        return any(child != own_next for child in self._children.get(hashes[num_blocks - 1], ()))
+
     def __len__(self) -> int:
         """Distinct blocks cached across the workers."""
         return len(self._holders)
@@ -130,3 +152,4 @@ class PrefixIndex:
             holders.discard(worker_id)
             if not holders:
                 del self._holders[block_hash]
+                self._children.pop(block_hash, None)

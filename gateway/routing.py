@@ -1,13 +1,22 @@
 """The routing policy: which worker a queued request goes to (`[dispatch]` in the config).
 
-`cache_aware` sends a request to the worker whose prefix cache holds the longest prefix of its
-prompt (exactly, from the workers' own reports: gateway/prefix_index.py), ties to the least
-loaded, unless that worker is overloaded against the least-loaded one by both thresholds, in
-which case balance wins. A request whose prefix no worker holds goes to its session's worker
-(sticky) while that one is not overloaded, else spreads to the worker with the most room (ties
-to the one caching least), as `least_loaded` does for every request. `round_robin` takes the workers in turn per batch.
-Only workers that can take the request now (ready, a free slot, blocks for its prompt) are
-candidates, so no policy routes beyond what a worker said it can take.
+`cache_aware` estimates what the request would cost on each candidate, in prefill tokens, and picks
+the cheapest (ties: the least loaded, then the one caching least):
+    its tokens not in that worker's prefix cache (exactly, from the workers' own reports:
+    gateway/prefix_index.py)
+  + a load term: C x (tokens the worker holds, queued or running, with this one's) / (its KV
+    cache in tokens), the worker's busy share priced in the same unit.
+C depends on what the request's longest cached prefix is. The history of its own conversation (no
+other routed prompt went on from where the match ends): C = load_cost_tokens, small, so the turn
+stays with the worker holding its history unless the load there outweighs recomputing it. A prefix
+other conversations share (a system prompt: other routed prompts branch where the match ends), or
+none: C = new_conversation_load_cost_tokens, larger, since the request starts a conversation whose
+later turns follow it; new conversations spread over the workers, each computing the shared
+prefix once, instead of all joining the few that already hold it. A request cached nowhere that
+names a session counts its session's worker as holding all but its last block (`sticky`).
+`least_loaded` takes the most room (sessions still sticky); `round_robin` the workers in turn per
+batch. Only workers that can take the request now are candidates (the dispatcher's filter: ready, a
+free slot, blocks for its prompt), so no policy routes beyond what a worker said it can take.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ from shared.config import DispatchConfig
 
 MAX_SESSIONS = 1 << 16  # sessions remembered (least recently routed forgotten first)
 OUTCOMES = ("cache_hit", "balanced", "sticky", "spread")
+DEFAULT_BLOCK_SIZE = 16  # a worker that has not reported one yet
 
 
 @dataclass(frozen=True)
@@ -52,45 +62,67 @@ class Router:
         if policy == "round_robin":
             worker = sorted(candidates, key=lambda w: w.worker_id)[self._turn % len(candidates)]
             return Route(worker, "spread", self._predicted(state, worker, matched[worker.worker_id]))
-        loads = {w.worker_id: w.load_tokens() + pending.get(w.worker_id, 0) for w in candidates}
-        least = min(candidates, key=lambda w: (loads[w.worker_id], -w.free_slots(), w.worker_id))
-        if policy == "cache_aware":
-            best_blocks = max(matched.values())
-            if best_blocks > 0:
-                best = min((w for w in candidates if matched[w.worker_id] == best_blocks),
-                           key=lambda w: (loads[w.worker_id], w.worker_id))
-                if self._overloaded(loads[best.worker_id], loads[least.worker_id]):
-                    return Route(least, "balanced", self._predicted(state, least, matched[least.worker_id]))
-                return Route(best, "cache_hit", self._predicted(state, best, best_blocks))
         home = self._session_worker(state, candidates)
-        if home is not None and not self._overloaded(loads[home.worker_id], loads[least.worker_id]):
-            return Route(home, "sticky", self._predicted(state, home, matched[home.worker_id]))
-        worker = self._spread(candidates)
-        return Route(worker, "spread", self._predicted(state, worker, matched[worker.worker_id]))
+        if policy == "least_loaded":
+            worker = most_room(candidates)
+            new_cost = self.config.new_conversation_load_cost_tokens
+            if home is not None and self._sticky_cost(state, home, pending) <= self._cost(state, worker, pending, 0,
+                                                                                          new_cost):
+                worker = home
+            return Route(worker, "sticky" if worker is home else "spread",
+                         self._predicted(state, worker, matched[worker.worker_id]))
+        return self._cache_aware(state, candidates, pending, matched, home)
 
     def committed(self, states: list[RequestState], worker: WorkerHandle) -> None:
-        """`states` were sent to `worker`: remember their sessions, and move round_robin on."""
+        """`states` were sent to `worker`: remember their sessions and where their prompts branch, and
+        move round_robin on."""
         self._turn += 1
         for state in states:
             if state.session_id:
                 self._sessions[state.session_id] = worker.worker_id
                 self._sessions.move_to_end(state.session_id)
+            self.index.note_chain(block_hashes(state, self._block_size(worker)))
         while len(self._sessions) > MAX_SESSIONS:
             self._sessions.popitem(last=False)
 
+    # ---- cache_aware ---------------------------------------------------------------------------
+    def _cache_aware(self, state: RequestState, candidates: list[WorkerHandle], pending: dict[str, int],
+                     matched: dict[str, int], home: WorkerHandle | None) -> Route:
+        best_blocks = max(matched.values())
+        load_cost = self.config.new_conversation_load_cost_tokens
+        if best_blocks > 0:
+            best = next(w for w in candidates if matched[w.worker_id] == best_blocks)
+            if not self.index.is_shared(block_hashes(state, self._block_size(best)), best_blocks):
+                load_cost = self.config.load_cost_tokens  # its own conversation's history
+        cached = {w.worker_id: self._predicted(state, w, matched[w.worker_id]) for w in candidates}
+        costs = {w.worker_id: self._cost(state, w, pending, cached[w.worker_id], load_cost) for w in candidates}
+        if best_blocks == 0 and home is not None:
+            costs[home.worker_id] = self._sticky_cost(state, home, pending)
+        worker = min(candidates, key=lambda w: (costs[w.worker_id], self._load(w, pending), -w.free_slots(),
+                                                self.index.num_blocks(w.worker_id), w.worker_id))
+        if best_blocks == 0:
+            outcome = "sticky" if worker is home else "spread"
+        else:
+            outcome = "cache_hit" if matched[worker.worker_id] == best_blocks else "balanced"
+        return Route(worker, outcome, cached[worker.worker_id])
+
+    def _cost(self, state: RequestState, worker: WorkerHandle, pending: dict[str, int], cached_tokens: int,
+              load_cost: float) -> float:
+        """What `state` would cost on `worker`, in prefill tokens (the module's docstring)."""
+        tokens = num_tokens(state)
+        capacity = max(1, worker.heartbeat.kv_blocks_total if worker.heartbeat else 0) * self._block_size(worker)
+        return tokens - cached_tokens + load_cost * (self._load(worker, pending) + tokens) / capacity
+
+    def _sticky_cost(self, state: RequestState, home: WorkerHandle, pending: dict[str, int]) -> float:
+        """The session's worker is computing the conversation so far: it counts as holding the prompt."""
+        usable = (num_tokens(state) - 1) // self._block_size(home) * self._block_size(home)
+        return self._cost(state, home, pending, usable, self.config.new_conversation_load_cost_tokens)
+
+    @staticmethod
+    def _load(worker: WorkerHandle, pending: dict[str, int]) -> int:
+        return worker.load_tokens() + pending.get(worker.worker_id, 0)
+
     # ---- internals -----------------------------------------------------------------------------
-    def _spread(self, candidates: list[WorkerHandle]) -> WorkerHandle:
-        """The most room; under cache_aware, ties go to the worker caching the least, so new
-        conversations spread their caches over idle workers rather than all landing on the first."""
-        if self.config.policy != "cache_aware":
-            return most_room(candidates)
-        return max(candidates, key=lambda w: (w.free_slots(), w.free_blocks(), -len(w.assigned),
-                                              -self.index.num_blocks(w.worker_id)))
-
-    def _overloaded(self, load: int, least_load: int) -> bool:
-        c = self.config
-        return load - least_load > c.balance_abs_tokens and load > least_load * c.balance_rel
-
     def _session_worker(self, state: RequestState, candidates: list[WorkerHandle]) -> WorkerHandle | None:
         worker_id = self._sessions.get(state.session_id) if state.session_id else None
         return next((w for w in candidates if w.worker_id == worker_id), None)
@@ -105,13 +137,19 @@ class Router:
         return matched
 
     def _block_size(self, worker: WorkerHandle) -> int:
-        return self.index.block_size(worker.worker_id) or (worker.heartbeat.block_size if worker.heartbeat else 0) or 16
+        return (self.index.block_size(worker.worker_id) or (worker.heartbeat.block_size if worker.heartbeat else 0)
+                or DEFAULT_BLOCK_SIZE)
 
     def _predicted(self, state: RequestState, worker: WorkerHandle, blocks: int) -> int:
         # The worker computes at least the last token itself, so it uses only the blocks before it.
         block_size = self._block_size(worker)
-        usable = (len(state.prompt_ids) + len(state.output_ids) - 1) // block_size
+        usable = (num_tokens(state) - 1) // block_size
         return min(blocks, usable) * block_size
+
+
+def num_tokens(state: RequestState) -> int:
+    """The tokens a worker prefills for `state`: its prompt and any tokens already streamed (a resume)."""
+    return len(state.prompt_ids) + len(state.output_ids)
 
 
 def block_hashes(state: RequestState, block_size: int) -> list[bytes]:

@@ -161,24 +161,29 @@ DISPATCH_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 @dataclass(frozen=True)
 class DispatchConfig:
     """The `[dispatch]` section: which worker each request goes to (gateway/routing.py)."""
-    # cache_aware: the worker that holds the longest prefix of the prompt in its prefix cache (the
-    # workers report their cached blocks, gateway/prefix_index.py), unless that worker is
-    # overloaded against the least-loaded one (both thresholds below exceeded); least_loaded: the
-    # worker with the most room; round_robin: each batch to the next worker in turn.
+    # cache_aware: the worker where the request costs least, in prefill tokens: its tokens not in
+    # that worker's prefix cache (the workers report their cached blocks, gateway/prefix_index.py)
+    # plus a load term (below); least_loaded: the worker with the most room; round_robin: each
+    # batch to the next worker in turn.
     policy: str = "cache_aware"
-    # Overloaded: its load (prompt + generated tokens of the requests it holds) exceeds the
-    # least-loaded worker's by more than balance_abs_tokens AND by more than balance_rel times.
-    balance_abs_tokens: int = 4096
-    balance_rel: float = 1.5
+    # The load term: this many prefill tokens x (tokens the worker holds, queued or running, with
+    # the request's) / (its KV cache in tokens). A request continuing a conversation cached on its
+    # worker leaves it only when the load there outweighs the history it would recompute elsewhere.
+    load_cost_tokens: float = 128.0
+    # The same for a request that starts a conversation: its cached prefix is one other
+    # conversations share (a system prompt) or it has none. Larger, so new conversations spread
+    # over the workers (computing the shared prefix once on each) instead of all joining the ones
+    # that hold it.
+    new_conversation_load_cost_tokens: float = 1024.0
     # Requests that name a session (GenerateRequest.session_id, the OpenAI API's `user`) and whose
-    # prefix no worker caches yet go to the worker that served the session last while it is alive,
-    # has room and is not overloaded: it is computing the conversation so far.
+    # prefix no worker caches yet count the worker that served the session last as holding the
+    # prompt (it is computing the conversation so far) while it is alive and has room.
     sticky_sessions: bool = True
 
     def validate(self) -> None:
         _check(self.policy in DISPATCH_POLICIES, "dispatch.policy", self.policy, " or ".join(DISPATCH_POLICIES))
-        _check(self.balance_abs_tokens >= 0, "dispatch.balance_abs_tokens", self.balance_abs_tokens, ">= 0")
-        _check(self.balance_rel >= 1.0, "dispatch.balance_rel", self.balance_rel, ">= 1")
+        for name in ("load_cost_tokens", "new_conversation_load_cost_tokens"):
+            _check(getattr(self, name) >= 0, f"dispatch.{name}", getattr(self, name), ">= 0")
 
 
 @dataclass(frozen=True)

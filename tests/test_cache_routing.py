@@ -109,12 +109,13 @@ def test_the_index_predicts_exactly_what_the_workers_find_cached(runs):
 
 def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpoint):
     """Every request shares one system prompt, cached on one worker only: the cache alone would send
-    them all there. Past the thresholds the balance rule sends the rest to the other worker, at
-    once: none is left waiting in the gateway's queue while a worker has room."""
+    them all there. With load priced high (half a prefill token per token held, against a KV of
+    16,384), once the load on the holder outweighs computing the system prompt on the other worker,
+    the rest go there, at once: none is left waiting in the gateway's queue while a worker has room."""
     rng = random.Random(11)
     system = [rng.randrange(3, VOCAB) for _ in range(160)]
     sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
-    sections = {"dispatch": {"policy": "cache_aware", "balance_abs_tokens": 400, "balance_rel": 1.5},
+    sections = {"dispatch": {"policy": "cache_aware", "new_conversation_load_cost_tokens": 8192},
                 "worker": {"num_kv_blocks": 1024}}
     with Cluster(served_checkpoint, num_workers=2, sections=sections) as cluster:
         _, _, first = generate(cluster.stub, prompt_token_ids=system + [5],
@@ -133,7 +134,7 @@ def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpo
             results = [f.result(timeout=120) for f in futures]
         samples = metrics(cluster)
     workers = [last.worker_id for _, _, last in results]
-    assert workers.count(holder) >= 2 and len(set(workers)) == 2  # the cache drew work; balance split it
+    assert workers.count(holder) >= 2 and len(set(workers)) == 2  # the cache drew work; its cost split it
     assert total(samples, "inference_routing_decisions_total", outcome="balanced") >= 1
     assert total(samples, "inference_routing_decisions_total", outcome="cache_hit") >= 1
     on_holder = [last.usage.cached_prompt_tokens for _, _, last in results if last.worker_id == holder]

@@ -1,10 +1,11 @@
 """The gateway's prefix index: it computes the block manager's own keys, follows the workers'
-register/evict reports, recovers from a lost report by snapshot and forgets a dead worker."""
+register/evict reports, recovers from a lost report by snapshot, forgets a dead worker, and tells a
+prefix that routed prompts branch from (shared) from one conversation's own chain."""
 from __future__ import annotations
 
 import random
 
-from gateway.prefix_index import SNAPSHOT_RETRY_S, PrefixIndex
+from gateway.prefix_index import MAX_CHILDREN, SNAPSHOT_RETRY_S, PrefixIndex
 from protos import worker_pb2
 from shared.block_hash import chain_hashes
 from worker.block_manager import BlockManager
@@ -98,3 +99,27 @@ def test_a_dead_or_restarted_worker_is_forgotten():
     index.forget("w1")
     index.forget("w0")
     assert len(index) == 0
+
+
+def test_a_prefix_that_routed_prompts_continue_differently_is_shared():
+    index = PrefixIndex()
+    system = list(range(16))  # 4 blocks, cached on w0
+    index.on_events("w0", events(1, stored=chain_hashes(system, BLOCK)))
+    first = chain_hashes(system + [50] * 8, BLOCK)
+    assert not index.is_shared(first, 4) and not index.is_shared(first, 0)
+    index.note_chain(first)  # one conversation went on from the system prompt
+    second = chain_hashes(system + [60] * 8, BLOCK)
+    assert index.is_shared(second, 4)  # another prompt continued it differently: a shared prefix
+    assert not index.is_shared(first, 4)  # its own continuation is no branch
+    assert not index.is_shared(second, 2)  # inside the system prompt every prompt goes on alike
+    assert index.is_shared(chain_hashes(system, BLOCK), 4)  # a prompt that is all shared prefix
+    index.note_chain(chain_hashes(system + [70] * 8, BLOCK))
+    index.note_chain(chain_hashes(system + [80] * 8, BLOCK))
+    assert len(index._children[first[3]]) == MAX_CHILDREN  # bounded, however many conversations go on
+    assert index.is_shared(first, 4) and index.is_shared(second, 4)
+    # Blocks cached nowhere get no entry, and an evicted block's entry goes with it.
+    assert set(index._children) == set(first[:4])
+    index.on_events("w0", events(2, removed=first[2:4]))
+    assert not index.is_shared(second, 4) and set(index._children) == set(first[:2])
+    index.forget("w0")
+    assert index._children == {}

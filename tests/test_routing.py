@@ -1,12 +1,15 @@
-"""The routing policies on hand-made worker states: cache_aware's longest prefix, its balance rule
-(both thresholds), sticky sessions, spreading, least_loaded, round_robin and the prediction."""
+"""The routing policies on hand-made worker states: cache_aware's cost rule (uncached tokens and load,
+in prefill tokens), new conversations against a conversation's own history, sticky sessions,
+spreading, what a worker can take, least_loaded, round_robin and the prediction."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
+from gateway.dispatcher import Dispatcher
 from gateway.prefix_index import PrefixIndex
+from gateway.queues import QueuedItem
 from gateway.routing import Router
 from gateway.workers import WorkerRegistry
 from protos import worker_pb2
@@ -21,15 +24,25 @@ def request(tokens, session_id=""):
     return SimpleNamespace(prompt_ids=list(tokens), output_ids=[], session_id=session_id, block_hashes=None)
 
 
-def setup(policy="cache_aware", num_workers=2, abs_tokens=100, rel=1.5):
+def heartbeat(worker_id, **fields):
+    values = dict(ready=True, max_num_seqs=8, max_queued=8, kv_blocks_total=1000, kv_blocks_free=1000,
+                  block_size=BLOCK, memory_level="OK") | fields
+    return worker_pb2.Envelope(worker_id=worker_id, incarnation="i", heartbeat=worker_pb2.Heartbeat(**values))
+
+
+def setup(policy="cache_aware", num_workers=2):
     registry = WorkerRegistry([f"w{i}" for i in range(num_workers)], heartbeat_timeout_s=1.0)
     for worker_id in registry.workers:
-        registry.on_message(worker_pb2.Envelope(worker_id=worker_id, incarnation="i", heartbeat=worker_pb2.Heartbeat(
-            ready=True, max_num_seqs=8, max_queued=8, kv_blocks_total=1000, kv_blocks_free=1000, block_size=BLOCK,
-            memory_level="OK")), 0.0)
+        registry.on_message(heartbeat(worker_id), 0.0)
     index = PrefixIndex()
-    router = Router(DispatchConfig(policy=policy, balance_abs_tokens=abs_tokens, balance_rel=rel), index)
+    router = Router(DispatchConfig(policy=policy), index)
     return registry, index, router
+
+
+def send(registry, router, worker_id, state, request_id):
+    """What the dispatcher does with a routed request: commit it to the router, assign it to the worker."""
+    router.committed([state], registry.workers[worker_id])
+    registry.assign(worker_id, request_id, len(state.prompt_ids) + 1)
 
 
 def cache(index, worker_id, tokens, seq=1):
@@ -59,20 +72,85 @@ def test_equal_prefixes_go_to_the_less_loaded_worker():
     assert router.route(request(SYSTEM + [1]), workers(registry), {"w1": 60}).worker.worker_id == "w0"
 
 
-def test_balance_wins_only_when_both_thresholds_are_exceeded():
-    registry, index, router = setup(abs_tokens=100, rel=1.5)
-    cache(index, "w0", SYSTEM)
-    registry.assign("w1", "r1", 300)
-    registry.assign("w0", "r0", 420)  # 120 more (> 100) but only 1.4x (< 1.5): the cache wins
-    route = router.route(request(SYSTEM + [1]), workers(registry), {})
-    assert (route.worker.worker_id, route.outcome) == ("w0", "cache_hit")
-    registry.assign("w0", "r2", 40)  # 160 more and 1.53x: balance wins
-    route = router.route(request(SYSTEM + [1]), workers(registry), {})
+def test_balance_wins_once_the_load_outweighs_the_cached_prefix():
+    registry, index, router = setup()
+    cache(index, "w0", SYSTEM)  # no other prompt went on from it: this conversation's own history
+    prompt = SYSTEM + [1]  # 33 tokens: 1 uncached on w0, 33 on w1
+    registry.assign("w0", "r0", 900)  # 1 + 128 x 933 / 4000 = 30.9 against 33 + 128 x 33 / 4000 = 34.1
+    route = router.route(request(prompt), workers(registry), {})
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w0", "cache_hit", 32)
+    registry.assign("w0", "r1", 200)  # 37.3 against 34.1
+    route = router.route(request(prompt), workers(registry), {})
     assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w1", "balanced", 0)
     # Tokens routed in the same pass count as load.
-    registry.release("w0", "r2")
-    route = router.route(request(SYSTEM + [1]), workers(registry), {"w0": 40})
+    registry.release("w0", "r1")
+    route = router.route(request(prompt), workers(registry), {"w0": 200})
     assert route.outcome == "balanced"
+    assert router.route(request(prompt), workers(registry), {}).outcome == "cache_hit"
+
+
+def test_a_short_shared_prefix_on_one_busy_worker_does_not_pull_every_new_conversation():
+    """Two conversations went through the system prompt on w0, so a third that matches only it is a new
+    conversation: it weighs w0's load at new_conversation_load_cost_tokens, and goes to the idle w1 as
+    soon as that load outweighs computing the system prompt there."""
+    registry, index, router = setup()
+    cache(index, "w0", SYSTEM)
+    for c in range(2):
+        send(registry, router, "w0", request(SYSTEM + [c] * 8), f"c{c}")
+    new = SYSTEM + [9] * 8  # 40 tokens: 8 uncached on w0, 40 on w1
+    assert index.is_shared(chain_hashes(new, BLOCK), 8)
+    # w0 holds 82 tokens: 8 + 1024 x 122 / 4000 = 39.2 against 40 + 1024 x 40 / 4000 = 50.2 on w1.
+    route = router.route(request(new), workers(registry), {})
+    assert (route.worker.worker_id, route.outcome) == ("w0", "cache_hit")
+    registry.assign("w0", "busy", 60)  # 142 tokens held: 54.6 against 50.2
+    route = router.route(request(new), workers(registry), {})
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w1", "balanced", 0)
+    # Once w1 holds the system prompt too, new conversations take whichever is less loaded at no cost.
+    cache(index, "w1", SYSTEM)
+    route = router.route(request(new), workers(registry), {})
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w1", "cache_hit", 32)
+
+
+def test_a_long_conversation_prefix_holds_against_a_modest_load_difference():
+    """The same load that sends a new conversation away keeps a conversation whose own history w0
+    caches: it would recompute that history elsewhere, and its load term is load_cost_tokens."""
+    registry, index, router = setup()
+    history = SYSTEM + list(range(500, 700))  # 232 tokens cached on w0; w1 holds only the system prompt
+    cache(index, "w0", history)
+    cache(index, "w1", SYSTEM)
+    for c in range(2):  # other conversations went through the system prompt: it is shared
+        send(registry, router, "w1", request(SYSTEM + [c] * 8), f"c{c}")
+        registry.release("w1", f"c{c}")
+    registry.assign("w0", "busy", 1000)  # a quarter of w0's KV in use, w1 idle
+    turn = history + [3] * 8
+    assert not index.is_shared(chain_hashes(turn, BLOCK), len(history) // BLOCK)
+    route = router.route(request(turn), workers(registry), {})
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w0", "cache_hit", 232)
+    route = router.route(request(SYSTEM + [9] * 8), workers(registry), {})  # a new conversation
+    assert (route.worker.worker_id, route.outcome) == ("w1", "cache_hit")
+    # Balance still wins once the load there outweighs the history: 8 + 128 x 8240 / 4000 > 208 + ...
+    registry.assign("w0", "huge", 7000)
+    route = router.route(request(turn), workers(registry), {})
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w1", "balanced", 32)
+
+
+def test_nothing_routes_beyond_what_a_worker_can_take():
+    """The dispatcher offers the policy only workers with blocks for the prompt (counting those taken
+    earlier in the pass); a worker holding the whole prompt but lacking the room is not chosen."""
+    dispatcher = Dispatcher(load_config())
+    registry, router = dispatcher.registry, dispatcher.router
+    for worker_id, free in (("worker-0", 9), ("worker-1", 1000)):
+        registry.on_message(heartbeat(worker_id, kv_blocks_free=free), 0.0)
+    cache(router.index, "worker-0", SYSTEM)
+    state = request(SYSTEM + [1])  # 34 tokens with the one it samples: 9 blocks of 4
+    item = QueuedItem(request_id="r", num_tokens=33, priority=0, arrival_s=0.0, deadline_s=None, max_wait_s=None,
+                      payload=state)
+    takers = workers(registry)
+    assert dispatcher._route(item, takers, {}, {}).worker.worker_id == "worker-0"
+    route = dispatcher._route(item, takers, {"worker-0": 4}, {"worker-0": 1})  # one block taken this pass
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("worker-1", "spread", 0)
+    assert dispatcher._route(item, takers[:1], {"worker-0": 4}, {"worker-0": 1}) is None
+    assert router.route(state, [], {}) is None
 
 
 def test_a_prefix_cached_nowhere_goes_to_its_session_else_spreads():
@@ -113,7 +191,7 @@ def test_least_loaded_ignores_the_cache_and_round_robin_takes_turns():
 def test_the_dispatch_section_is_validated():
     assert load_config().dispatch.policy == "cache_aware"
     assert load_config(overrides={"dispatch.policy": "round_robin"}).dispatch.policy == "round_robin"
-    for key, value in (("policy", "random"), ("balance_rel", 0.5), ("balance_abs_tokens", -1)):
+    for key, value in (("policy", "random"), ("load_cost_tokens", -1), ("new_conversation_load_cost_tokens", -0.5)):
         with pytest.raises(ConfigError, match=f"dispatch.{key}"):
             load_config(overrides={f"dispatch.{key}": value})
 
