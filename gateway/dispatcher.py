@@ -151,7 +151,9 @@ class Dispatcher:
                 self.metrics.prefix_index_blocks.labels(envelope.worker_id).set(
                     self.prefix_index.num_blocks(envelope.worker_id))
                 self._wake.set()  # capacity may have changed
-                self._check_liveness(now)
+                # Only this worker: a scan of every worker per heartbeat grows with the fleet's
+                # square (the monitor loop reaps the others within MONITOR_INTERVAL_S).
+                self.registry.note_heard(envelope.worker_id, now)
             elif kind == "probe_reply":
                 future = self._probes.pop(envelope.probe_reply.probe_id, None)
                 if future is not None and not future.done():

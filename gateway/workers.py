@@ -124,6 +124,13 @@ class WorkerRegistry:
         """A send found the worker disconnected: nothing more goes to it until it heartbeats again."""
         self.get(worker_id).heartbeat = None
 
+    def note_heard(self, worker_id: str, now_s: float) -> None:
+        """A heartbeat from `worker_id` just arrived: it counts as alive for reap_dead's next pass
+        even if it dies before that pass, so the requests routed to it meanwhile are reaped too."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.was_alive = worker.was_alive or self.is_alive(worker, now_s)
+
     def reap_dead(self, now_s: float) -> dict[str, set[str]]:
         """Workers whose heartbeats stopped: worker id -> the requests they held (now lost)."""
         dead = {}
