@@ -232,6 +232,7 @@ class Dispatcher:
             now = time.monotonic()
             self._expire(now)
             takers = [w for w in self.registry.live(now) if w.can_take() and w.free_slots() > 0]
+            self.router.begin_pass()
             head = self.queue.head(now)
             first = self._route(head, takers, {}, {}) if head is not None else None
             if first is None:
@@ -247,6 +248,7 @@ class Dispatcher:
                 if route is None or route.worker is not worker:
                     return False
                 routes[item.request_id] = route
+                self.router.note_routed(item.payload, worker)
                 num_tokens = self._num_tokens(item.payload) + 1
                 taken[worker.worker_id] += num_tokens
                 taken_blocks[worker.worker_id] += worker.blocks_for(num_tokens)

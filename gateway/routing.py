@@ -51,6 +51,10 @@ class Router:
         self.index = index
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> the worker that served it last
         self._turn = 0  # round_robin: the next worker, by position among the candidates
+        # Block hashes routed to each worker in this dispatch pass: a worker that will compute a
+        # prefix for one request counts as holding it for the next ones (n choices of a prompt, a
+        # burst sharing a preamble), before any report of it can arrive.
+        self._pass_routed: dict[str, set[bytes]] = {}
 
     def route(self, state: RequestState, candidates: list[WorkerHandle], pending: dict[str, int]) -> Route | None:
         """The worker for `state` among `candidates` (those that can take it now); `pending`: tokens
@@ -72,6 +76,13 @@ class Router:
             return Route(worker, "sticky" if worker is home else "spread",
                          self._predicted(state, worker, matched[worker.worker_id]))
         return self._cache_aware(state, candidates, pending, matched, home)
+
+    def begin_pass(self) -> None:
+        self._pass_routed.clear()
+
+    def note_routed(self, state: RequestState, worker: WorkerHandle) -> None:
+        """`state` goes to `worker` in this pass (before `committed`, which ends the batch)."""
+        self._pass_routed.setdefault(worker.worker_id, set()).update(block_hashes(state, self._block_size(worker)))
 
     def committed(self, states: list[RequestState], worker: WorkerHandle) -> None:
         """`states` were sent to `worker`: remember their sessions and where their prompts branch, and
@@ -114,9 +125,11 @@ class Router:
         return tokens - cached_tokens + load_cost * (self._load(worker, pending) + tokens) / capacity
 
     def _sticky_cost(self, state: RequestState, home: WorkerHandle, pending: dict[str, int]) -> float:
-        """The session's worker is computing the conversation so far: it counts as holding the prompt."""
+        """The session's worker is computing the conversation so far: it counts as holding the prompt,
+        the conversation's own history (load weighed as for a cached history: n choices of a prompt
+        stay together even on a small KV cache)."""
         usable = (num_tokens(state) - 1) // self._block_size(home) * self._block_size(home)
-        return self._cost(state, home, pending, usable, self.config.new_conversation_load_cost_tokens)
+        return self._cost(state, home, pending, usable, self.config.load_cost_tokens)
 
     @staticmethod
     def _load(worker: WorkerHandle, pending: dict[str, int]) -> int:
@@ -134,6 +147,12 @@ class Router:
             by_size.setdefault(self._block_size(w), []).append(w.worker_id)
         for block_size, worker_ids in by_size.items():
             matched.update(self.index.match(block_hashes(state, block_size), worker_ids))
+        for w in candidates:
+            routed = self._pass_routed.get(w.worker_id)
+            if routed:
+                hashes = block_hashes(state, self._block_size(w))
+                leading = next((i for i, h in enumerate(hashes) if h not in routed), len(hashes))
+                matched[w.worker_id] = max(matched[w.worker_id], leading)
         return matched
 
     def _block_size(self, worker: WorkerHandle) -> int:

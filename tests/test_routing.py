@@ -72,6 +72,22 @@ def test_equal_prefixes_go_to_the_less_loaded_worker():
     assert router.route(request(SYSTEM + [1]), workers(registry), {"w1": 60}).worker.worker_id == "w0"
 
 
+def test_requests_sharing_a_prompt_in_one_pass_follow_the_first_to_its_worker():
+    """n choices of one prompt, or a burst with one preamble: the worker the first goes to will
+    compute the prefix, so within the pass it counts as holding it, although nothing is reported
+    yet and the pending load counts against it; a new pass forgets it."""
+    registry, index, router = setup()
+    prompt = SYSTEM + [7, 8, 9]
+    router.begin_pass()
+    first = router.route(request(prompt), workers(registry), {})
+    router.note_routed(request(prompt), first.worker)
+    pending = {first.worker.worker_id: len(prompt) + 1}
+    second = router.route(request(prompt), workers(registry), pending)
+    assert (second.worker, second.outcome, second.predicted_cached_tokens) == (first.worker, "cache_hit", 32)
+    router.begin_pass()
+    assert router.route(request(prompt), workers(registry), pending).worker is not first.worker
+
+
 def test_balance_wins_once_the_load_outweighs_the_cached_prefix():
     registry, index, router = setup()
     cache(index, "w0", SYSTEM)  # no other prompt went on from it: this conversation's own history
