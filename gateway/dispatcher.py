@@ -193,6 +193,8 @@ class Dispatcher:
                 state.prefill_ms, state.worker_queue_ms = delta.prefill_ms, delta.worker_queue_ms
             state.num_preemptions = max(state.num_preemptions, delta.num_preemptions)
             state.peak_kv_blocks = max(state.peak_kv_blocks, delta.peak_kv_blocks)
+            state.num_draft_tokens += delta.num_draft_tokens
+            state.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
             if delta.new_token_ids:
                 if state.last_token_s is not None:
                     self._itl_by_bucket[state.bucket].observe((now - state.last_token_s) / len(delta.new_token_ids))

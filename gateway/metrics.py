@@ -21,6 +21,9 @@ _WORKER_COUNTERS = {  # heartbeat field -> metric attribute
     "num_prefix_hit_tokens": "prefix_cache_hits",
     "num_preemptions": "preemptions",
     "num_oom_recoveries": "oom_recoveries",
+    "num_spec_drafts": "spec_drafts",
+    "num_spec_draft_tokens": "spec_draft_tokens",
+    "num_spec_accepted_tokens": "spec_accepted_tokens",
 }
 
 
@@ -51,10 +54,20 @@ class Metrics:
         self.preemptions = Counter("inference_num_preemptions", "Requests preempted (recompute).", w, registry=r)
         self.oom_recoveries = Counter("inference_oom_recoveries", "Out-of-memory errors survived in a forward.", w,
                                       registry=r)
+        # Speculative decoding by prompt lookup (vLLM's spec_decode counters); acceptance rate =
+        # accepted / draft tokens, tokens per verified draft = 1 + accepted / drafts.
+        self.spec_drafts = Counter("inference_spec_decode_num_drafts", "Drafts verified (decode steps of a "
+                                   "request that proposed tokens).", w, registry=r)
+        self.spec_draft_tokens = Counter("inference_spec_decode_num_draft_tokens", "Draft tokens verified.", w,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("inference_spec_decode_num_accepted_tokens", "Draft tokens that "
+                                            "sampling confirmed (taken without a step of their own).", w,
+                                            registry=r)
         self.worker_restarts = Counter("inference_worker_restarts", "New incarnations of a worker.", w, registry=r)
         self.routing = Counter("inference_routing_decisions", "Requests dispatched, by how their worker was "
-                               "chosen: cache_hit (the longest cached prefix), balanced (that worker was "
-                               "overloaded), sticky (the session's worker), spread (the most room).",
+                               "chosen: cache_hit (the longest cached prefix), balanced (the worker with the "
+                               "longest cached prefix lost on load), sticky (the session's worker), spread (the "
+                               "most room).",
                                ["outcome"], registry=r)
         self.predicted_cached_tokens = Counter("inference_routing_predicted_cached_tokens", "Prompt tokens the "
                                                "prefix index expected the chosen worker to find cached.", w,

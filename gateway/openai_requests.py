@@ -16,7 +16,7 @@ import grpc
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Constrained, _Sampling
 from protos import inference_pb2
 from shared.config import GatewayConfig
-from shared.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
+from shared.sampling_params import MAX_SEED, MAX_SPECULATIVE_NGRAM_K, MAX_TOP_LOGPROBS
 
 # The status an OpenAI client library maps each outcome to (401/403 are the auth layer's).
 HTTP_STATUS = {
@@ -201,8 +201,11 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
     options = inference_pb2.SamplingOptions(ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
     if max_tokens is not None:
         options.max_tokens = min(max_tokens, 2**31 - 1)
+    if body.speculative_ngram_k is not None and not 0 <= body.speculative_ngram_k <= MAX_SPECULATIVE_NGRAM_K:
+        raise BadRequest(f"speculative_ngram_k must be in [0, {MAX_SPECULATIVE_NGRAM_K}], got "
+                         f"{body.speculative_ngram_k}", "speculative_ngram_k")
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "speculative_ngram_k"):
         value = getattr(body, name)
         if value is not None:
             if name == "top_k" and value == -1:  # vLLM's "off"

@@ -5,7 +5,7 @@ Requests are strict (a string where a number belongs is an error, not a conversi
 fields they do not know, so a typo or an unsupported option is a 400 naming it instead of being
 silently ignored. Beside OpenAI's own fields, the body extensions vLLM accepts (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, priority, min_tokens, return_token_ids,
-truncate_prompt_tokens) and a request-level `timeout` in seconds.
+truncate_prompt_tokens), a request-level `timeout` in seconds, and `speculative_ngram_k` (prompt lookup).
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ class _Sampling(_Request):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
     timeout: float | None = Field(None, description="seconds; the request ends 504 past it, like a gRPC deadline")
+    speculative_ngram_k: int | None = Field(None, description="speculative decoding by prompt lookup: up to this "
+                                            "many draft tokens a step (0 = off; unset = the server's default)")
 
 
 class JsonSchemaFormat(_Request):

@@ -32,6 +32,7 @@ def request_record(state: RequestState, status_code: str) -> dict:
         "per_output_token_ms": round(decode_ms / (num_output - 1), 3) if num_output > 1 else 0.0,
         "e2e_ms": round((end_s - state.arrival_s) * 1e3, 3), "preemptions": state.num_preemptions,
         "resumptions": state.num_resumes, "peak_kv_blocks": state.peak_kv_blocks,
+        "draft_tokens": state.num_draft_tokens, "accepted_draft_tokens": state.num_accepted_draft_tokens,
         "finish_reason": state.finish_reason, "status_code": status_code, "api_key": state.owner,
     }
 

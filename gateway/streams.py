@@ -60,6 +60,10 @@ class RequestState:
     prefill_ms: float = 0.0  # reported by the worker (its own clock)
     num_preemptions: int = 0
     peak_kv_blocks: int = 0
+    # Speculative decoding, summed over the deltas of every worker that served it: draft tokens
+    # verified, and how many of them sampling confirmed.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     finish_reason: str | None = None
     stream_interval: int = 1  # tokens per event (the gateway's stream_interval)
     hold_s: float = 0.05  # the longest a token waits for its group to fill
@@ -91,6 +95,17 @@ class RequestState:
         if self.first_token_s is None:
             self.first_token_s = now_s
         self.last_token_s = now_s
+        if len(token_ids) > 1 and self.params.stop:
+            # Several tokens in one delta (speculative decoding confirms a few per step): taken one at a
+            # time, so none past the token whose text completes a stop string is kept or sent, as when
+            # they come one per delta.
+            for i in range(len(token_ids)):
+                if self._take(token_ids[i:i + 1], logprobs[i:i + 1] if logprobs else None, now_s):
+                    return True
+            return False
+        return self._take(token_ids, logprobs, now_s)
+
+    def _take(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, now_s: float) -> bool:
         self.output_ids.extend(token_ids)
         text, stopped = self._stops.push(self._detok.push(token_ids))
         self._emit(text, token_ids, logprobs)

@@ -180,7 +180,7 @@ def _encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer
 def _sampling(options: inference_pb2.SamplingOptions, default_max_tokens: int, vocab: int) -> SamplingParams:
     fields = {"max_tokens": options.max_tokens if options.HasField("max_tokens") else default_max_tokens}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "speculative_ngram_k"):
         if options.HasField(name):
             fields[name] = getattr(options, name)
     if options.HasField("logprobs"):

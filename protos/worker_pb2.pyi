@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WireSampling(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "grammar")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "grammar", "speculative_ngram_k")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WireSampling(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_NGRAM_K_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -40,7 +41,8 @@ class WireSampling(_message.Message):
     logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
     min_tokens: int
     grammar: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    speculative_ngram_k: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., speculative_ngram_k: _Optional[int] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")
@@ -97,7 +99,7 @@ class Probe(_message.Message):
     def __init__(self, probe_id: _Optional[int] = ..., deep: _Optional[bool] = ..., memory_report: _Optional[bool] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "worker_queue_ms", "prefill_ms", "num_preemptions", "peak_kv_blocks", "logprobs")
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "worker_queue_ms", "prefill_ms", "num_preemptions", "peak_kv_blocks", "logprobs", "num_draft_tokens", "num_accepted_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,8 @@ class TokenDelta(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PEAK_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
@@ -122,7 +126,9 @@ class TokenDelta(_message.Message):
     num_preemptions: int
     peak_kv_blocks: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., worker_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., peak_kv_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., worker_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., peak_kv_blocks: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("deltas", "step_ms")
@@ -133,7 +139,7 @@ class StepOutputs(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining", "kv_events_seq", "model_fingerprint", "model_name")
+    __slots__ = ("ready", "num_running", "num_waiting", "max_num_seqs", "max_queued", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "block_size", "max_model_len", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_step_age_s", "device", "vocab_size", "memory_allocated_bytes", "memory_reserved_bytes", "memory_peak_bytes", "memory_resident_bytes", "device_free_bytes", "fragmentation_bytes", "utilization_percent", "num_prefix_query_tokens", "num_prefix_hit_tokens", "num_preemptions", "num_steps", "num_oom_recoveries", "is_hung", "is_draining", "kv_events_seq", "model_fingerprint", "model_name", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens")
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +173,9 @@ class Heartbeat(_message.Message):
     KV_EVENTS_SEQ_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     num_running: int
     num_waiting: int
@@ -200,7 +209,10 @@ class Heartbeat(_message.Message):
     kv_events_seq: int
     model_fingerprint: str
     model_name: str
-    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., kv_events_seq: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_name: _Optional[str] = ...) -> None: ...
+    num_spec_drafts: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    def __init__(self, ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_queued: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_step_age_s: _Optional[float] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., memory_allocated_bytes: _Optional[int] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., memory_resident_bytes: _Optional[int] = ..., device_free_bytes: _Optional[int] = ..., fragmentation_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., num_prefix_query_tokens: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_oom_recoveries: _Optional[int] = ..., is_hung: _Optional[bool] = ..., is_draining: _Optional[bool] = ..., kv_events_seq: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_name: _Optional[str] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("seq", "snapshot", "stored", "removed", "block_size")

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.quantization_rule import DEFAULT_GROUP_SIZE, PRESETS, QuantizationRule
+from shared.sampling_params import MAX_SPECULATIVE_NGRAM_K
 
 LOAD_MODES = ("full", "sharded", "on_demand")
 ATTENTION_IMPLS = ("fast", "reference")
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 _DEVICE = re.compile(rf"({'|'.join(_DEVICE_TYPES)})(:[0-9]+)?")
+# An n-gram longer than this adds index work without finding copies a shorter one misses.
+MAX_SPECULATIVE_NGRAM_N = 16
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,19 @@ class EngineConfig:
     # Activation-aware scales from "self" (the model's own samples), a text file, or "none"
     # (plain rounding). Saved beside the checkpoint (or in ~/.cache) and reused at the next start.
     quantization_calibration: str = "self"
+    # Speculative decoding by prompt lookup (worker/speculative.py): each decode step proposes up
+    # to k tokens copied from where the sequence's last n tokens (max_n down to min_n) occurred
+    # before, and verifies them in the same forward. The default k of requests that do not choose
+    # (0 = off); a request may ask for up to speculative_ngram_max_k (0 there: off for every request).
+    speculative_ngram_k: int = 0
+    speculative_ngram_max_k: int = 8
+    speculative_ngram_min_n: int = 2
+    speculative_ngram_max_n: int = 4
+    # Drafts fill a step only up to this many tokens, decodes included (0: no cap). Past it a forward
+    # is compute-bound, so a draft token costs about what it may save: a big batch gains nothing. 16
+    # is about where a CPU step of bench-small stops being bound by its weight stream (docs/benchmarks.md);
+    # a GPU has room for hundreds.
+    speculative_ngram_max_step_tokens: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))  # a list from TOML or a caller
@@ -86,6 +102,7 @@ class EngineConfig:
               self.seed, "an integer or unset")
         self._validate_load_mode()
         self._validate_quantization()
+        self._validate_speculation()
 
     def _validate_load_mode(self) -> None:
         check(self.load_mode in LOAD_MODES, "load_mode", self.load_mode, f"one of {list(LOAD_MODES)}")
@@ -118,6 +135,19 @@ class EngineConfig:
             self.quantization_rule_parsed()
         except ValueError as e:
             raise ConfigError(f"quantization_rule must be a valid rule, got {self.quantization_rule!r}: {e}") from None
+
+    def _validate_speculation(self) -> None:
+        check(0 <= self.speculative_ngram_max_k <= MAX_SPECULATIVE_NGRAM_K, "speculative_ngram_max_k",
+              self.speculative_ngram_max_k, f"in [0, {MAX_SPECULATIVE_NGRAM_K}]")
+        check(0 <= self.speculative_ngram_k <= self.speculative_ngram_max_k, "speculative_ngram_k",
+              self.speculative_ngram_k, f"in [0, speculative_ngram_max_k={self.speculative_ngram_max_k}]")
+        check(self.speculative_ngram_max_step_tokens >= 0, "speculative_ngram_max_step_tokens",
+              self.speculative_ngram_max_step_tokens, ">= 0")
+        check(1 <= self.speculative_ngram_min_n <= MAX_SPECULATIVE_NGRAM_N, "speculative_ngram_min_n",
+              self.speculative_ngram_min_n, f"in [1, {MAX_SPECULATIVE_NGRAM_N}]")
+        check(self.speculative_ngram_min_n <= self.speculative_ngram_max_n <= MAX_SPECULATIVE_NGRAM_N,
+              "speculative_ngram_max_n", self.speculative_ngram_max_n,
+              f"in [speculative_ngram_min_n={self.speculative_ngram_min_n}, {MAX_SPECULATIVE_NGRAM_N}]")
 
     def quantization_rule_parsed(self) -> QuantizationRule:
         return QuantizationRule.preset(self.quantization, self.quantization_rule or None,

@@ -17,6 +17,9 @@ MAX_SEED = 2**63
 MAX_TOP_LOGPROBS = 5
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+# The most draft tokens a step may verify per request (speculative decoding by prompt lookup): each
+# costs a row of the step's logits, and the runner's buffer holds 1 + this many rows per sequence at most.
+MAX_SPECULATIVE_NGRAM_K = 32
 
 # What top_logprobs asks for, per sampled token: (token id, raw logprob) pairs by descending logprob, ties by
 # ascending id. Named once here, since the sampler, the worker's outputs and the wire all carry it.
@@ -77,6 +80,11 @@ class SamplingParams:
     # An llguidance grammar (JSON text) every sampled token must keep the output within; "" = none.
     # The gateway builds it from the request's constraint and checks it against the tokenizer.
     grammar: str = ""
+    # Speculative decoding by prompt lookup: propose up to this many tokens a step (copied from where the
+    # last few tokens occurred before) and verify them in one forward. None: the server's default
+    # (speculative_ngram_k); 0: never for this request; the worker caps it at its speculative_ngram_max_k.
+    # It changes speed only: greedy and seeded outputs are the same with any value.
+    speculative_ngram_k: int | None = None
 
     def __post_init__(self) -> None:
         # frozen=True forbids normal assignment; object.__setattr__ stores the normalised values once, here.
@@ -154,6 +162,13 @@ class SamplingParams:
 
         if not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a str (an llguidance grammar), got {type(self.grammar).__name__}")
+
+        if self.speculative_ngram_k is not None:
+            allowed = f"None (the server's default) or an int in [0, {MAX_SPECULATIVE_NGRAM_K}]"
+            k = _check_int("speculative_ngram_k", self.speculative_ngram_k, allowed)
+            if not 0 <= k <= MAX_SPECULATIVE_NGRAM_K:
+                raise ValueError(f"speculative_ngram_k must be {allowed}, got {self.speculative_ngram_k!r}")
+            put("speculative_ngram_k", k)
 
     @staticmethod
     def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:

@@ -32,6 +32,8 @@ def sampling_to_wire(params: SamplingParams) -> worker_pb2.WireSampling:
         min_tokens=params.min_tokens, grammar=params.grammar)
     if params.seed is not None:
         wire.seed = params.seed
+    if params.speculative_ngram_k is not None:
+        wire.speculative_ngram_k = params.speculative_ngram_k
     return wire
 
 
@@ -45,7 +47,8 @@ def sampling_from_wire(wire: worker_pb2.WireSampling) -> SamplingParams:
         logprobs=wire.logprobs, top_logprobs=wire.top_logprobs,
         presence_penalty=wire.presence_penalty, frequency_penalty=wire.frequency_penalty,
         logit_bias=[(b.token_id, b.bias) for b in wire.logit_bias], min_tokens=wire.min_tokens,
-        grammar=wire.grammar)
+        grammar=wire.grammar,
+        speculative_ngram_k=wire.speculative_ngram_k if wire.HasField("speculative_ngram_k") else None)
 
 
 def logprobs_to_wire(logprobs: Sequence[float], top_logprobs: Sequence[TopLogprobs] = ()

@@ -147,4 +147,4 @@ def test_update_keeps_logprobs_and_top_logprobs_only_as_each_request_asked():
     updates = s.update(out.scheduled, [(9, -0.1, top)] * len(out.scheduled))
     got = {u.request.request_id: (u.request.output_logprobs, u.request.output_top_logprobs) for u in updates}
     assert got == {"none": ([], []), "chosen": ([-0.1], []), "top": ([-0.1], [top])}
-    assert all(u.new_token_id == 9 for u in updates)
+    assert all(u.new_token_ids == (9,) for u in updates)

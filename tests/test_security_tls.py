@@ -157,11 +157,11 @@ def _listening(proc: subprocess.Popen, count: int) -> list[str]:
     """The addresses the gateway listens on, once it listens on `count` of them."""
     deadline = time.monotonic() + 60
     while True:
-        addresses = sorted({c.laddr.ip for c in psutil.Process(proc.pid).net_connections("inet")
-                            if c.status == psutil.CONN_LISTEN})
-        ports = {c.laddr.port for c in psutil.Process(proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
-        if len(ports) >= count:
-            return addresses
+        # One snapshot for both: read apart, the addresses may predate a server the ports include.
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
+        if len({a.port for a in listening}) >= count:
+            return sorted({a.ip for a in listening})
         assert proc.poll() is None and time.monotonic() < deadline, (
             proc.stdout.read() if proc.poll() is not None else "still not listening")
         time.sleep(0.1)

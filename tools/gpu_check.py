@@ -7,7 +7,8 @@ Each check prints PASS or FAIL with what it measured; the exit status is the num
 failures. Covers: the engine on CUDA in the checkpoint's half type against float32 on the
 CPU, the runner's own CUDA stream, KV sizing from free device memory, the memory reader's
 CUDA figures, the sharded and on-demand loading modes (pinned memory, side stream, events)
-against full loading, and INT8/INT4 on the device (the compute path `choose_path` picked).
+against full loading, INT8/INT4 on the device (the compute path `choose_path` picked), and speculative
+decoding's verify steps.
 """
 from __future__ import annotations
 
@@ -109,8 +110,24 @@ def main(argv: list[str] | None = None) -> int:
             return agreement >= 0.5, f"paths {paths}, greedy agreement with float {agreement:.0%}"
         return run
 
+    def speculative():
+        # Drafts verified on the device: the verify step runs the multi-token attention path, whose
+        # half-precision sums may round apart from the decode path's, so agreement rather than identity.
+        engine = Engine.from_model_dir(MODEL_DIR, device=device, num_kv_blocks=256, speculative_ngram_k=6)
+        copying = [p * 6 for p in prompts]  # repeated text: prompt lookup finds drafts at once
+        plain = _greedy(state["full"], copying, n=64)
+        drafted = _greedy(engine, copying, n=64)
+        stats = engine.stats()
+        agreement = _agreement(plain, drafted)
+        engine.check_integrity()
+        return (agreement >= (0.9 if device.startswith("cuda") else 1.0) and stats.num_spec_accepted_tokens > 0,
+                f"greedy agreement with plain decoding {agreement:.0%}; {stats.num_spec_accepted_tokens} of "
+                f"{stats.num_spec_draft_tokens} draft tokens accepted; {stats.num_steps} steps for "
+                f"{sum(map(len, drafted))} tokens")
+
     check("engine in half precision vs float32 on the CPU", half_precision)
     if "full" in state:
+        check("speculative decoding (prompt lookup) on the device", speculative)
         check("runner owns a CUDA stream", runner_stream)
         check("memory reader", memory_reader)
         check("sharded over two stages", loading_mode("sharded", devices=(f"{device}:0",) * 2

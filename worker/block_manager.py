@@ -131,6 +131,25 @@ class BlockManager:
         req.num_tokens = num_tokens
         return True
 
+    def trim_slots(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the table to cover num_tokens slots; the blocks past them go back to the front of the free
+        list (the request takes them again next). For slots a step wrote but did not keep (speculative
+        decoding's rejected drafts): such blocks are past every hashed one and were taken fresh, so the
+        request alone holds them."""
+        req = self._requests[request_id]
+        if num_tokens > req.num_tokens:
+            raise ValueError(f"request {request_id!r} holds {req.num_tokens} slots, cannot trim to {num_tokens}")
+        keep = _cdiv(num_tokens, self.block_size)
+        if keep < req.num_hashed_blocks:
+            raise ValueError(f"request {request_id!r}: trimming to {num_tokens} slots would drop hashed blocks")
+        while len(req.block_ids) > keep:
+            block_id = req.block_ids.pop()
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] or block_id in self._block_id_to_hash:
+                raise AssertionError(f"request {request_id!r} trimmed block {block_id}, which is shared or cached")
+            self._free_block_ids.appendleft(block_id)
+        req.num_tokens = num_tokens
+
     def _take_block(self) -> int:
         # Callers have checked num_free_blocks, so one of the two sources is non-empty.
         if self._free_block_ids:

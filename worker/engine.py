@@ -29,6 +29,7 @@ from worker.outputs import RequestDelta, RequestOutput, delta_for
 from worker.request import Request, RequestStatus
 from worker.sampler import make_generator, token_seed
 from worker.scheduler import RequestRejectedError, ScheduledRequest, StepFailure
+from worker.speculative import NgramSpeculation
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestDelta", "RequestOutput", "RequestRejectedError",
            "SamplingParams"]
@@ -49,6 +50,10 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_oom_recoveries: int
+    # Speculative decoding by prompt lookup: drafts verified, their tokens, and the tokens sampling confirmed.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
 
 class Engine:
@@ -119,9 +124,21 @@ class Engine:
                 request.constraint = self._constraints().constraint(params.grammar, outputs)
             except GrammarError as e:
                 raise RequestRejectedError(f"request {request_id!r}: {e}") from None
+        request.speculation = self._speculation(params)
         self.scheduler.add(request)
         if params.seed is not None:
             self._generators[request_id] = make_generator(params.seed, self.output_device)
+
+    def _speculation(self, params: SamplingParams) -> NgramSpeculation | None:
+        """The request's draft proposer: the request's k (else the server's), capped by the server's
+        speculative_ngram_max_k. A constrained request does not speculate: its matcher would have to mask
+        every draft position from a state of its own."""
+        config = self.config
+        k = config.speculative_ngram_k if params.speculative_ngram_k is None else params.speculative_ngram_k
+        k = min(k, config.speculative_ngram_max_k)
+        if k <= 0 or params.grammar:
+            return None
+        return NgramSpeculation(k, config.speculative_ngram_min_n, config.speculative_ngram_max_n)
 
     def _constraints(self) -> ConstraintCompiler:
         """Built on the first constrained request: an engine that never sees one loads no lexer."""
@@ -156,16 +173,21 @@ class Engine:
             request = update.request
             if request.is_finished:
                 self._generators.pop(request.request_id, None)
-            deltas.append(delta_for(request, update.new_token_id, with_timings=update.is_first_token))
+            deltas.append(delta_for(request, update.new_token_ids, with_timings=update.is_first_token,
+                                    num_draft_tokens=update.num_draft_tokens,
+                                    num_accepted_draft_tokens=update.num_accepted_tokens))
         return deltas
 
     def _sequence_step(self, item: ScheduledRequest) -> SequenceStep:
         r = item.request
         start = r.num_computed_tokens
         generator = self._generators.get(r.request_id)
-        needs_sample = start + item.num_new_tokens == r.num_tokens
+        draft = item.draft_token_ids
+        # A draft's tokens come after every known one: the step reaches the end of what is known.
+        needs_sample = start + item.num_new_tokens - len(draft) == r.num_tokens
+        seeded = generator is not None and needs_sample
         return SequenceStep(
-            new_token_ids=r.token_ids[start:start + item.num_new_tokens],
+            new_token_ids=r.token_ids[start:start + item.num_new_tokens - len(draft)] + list(draft),
             context_len=start,
             block_table=self.block_manager.block_table(r.request_id),
             needs_sample=needs_sample,
@@ -173,9 +195,13 @@ class Engine:
             generator=generator,
             token_history=r.token_ids,
             constraint=r.constraint,
-            seed=token_seed(r.params.seed, r.num_output_tokens) if generator is not None and needs_sample else None,
+            seed=token_seed(r.params.seed, r.num_output_tokens) if seeded else None,
             output_token_ids=r.output_token_ids,
             eos_token_ids=r.eos_token_ids,
+            draft_token_ids=draft,
+            # Each position's randomness is (seed, output index), as without a draft: the same tokens either way.
+            draft_seeds=[token_seed(r.params.seed, r.num_output_tokens + j) for j in range(1, len(draft) + 1)]
+            if seeded else (),
         )
 
     @staticmethod
@@ -227,7 +253,9 @@ class Engine:
             kv_blocks_free=blocks.num_free_blocks, kv_blocks_cached=blocks.num_evictable_blocks,
             num_prefix_query_tokens=blocks.num_prefix_query_tokens, num_prefix_hit_tokens=blocks.num_prefix_hit_tokens,
             num_preemptions=scheduler.num_preemptions, num_steps=self.num_steps,
-            num_oom_recoveries=self.num_oom_recoveries)
+            num_oom_recoveries=self.num_oom_recoveries, num_spec_drafts=scheduler.num_drafts,
+            num_spec_draft_tokens=scheduler.num_draft_tokens,
+            num_spec_accepted_tokens=scheduler.num_accepted_draft_tokens)
 
     def set_admission(self, paused: bool) -> None:
         """Paused: waiting requests stay waiting (one is let in when nothing runs); running ones go on."""

@@ -156,7 +156,8 @@ def _assemble(target: _Target, model: Transformer, load_seconds: float,
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig.from_engine(config, target.max_model_len), block_manager)
     runner = ModelRunner(model, kv_caches, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                         target.max_model_len, sampler, ATTENTION[config.attention], fast_path=fast_path)
+                         target.max_model_len, sampler, ATTENTION[config.attention], fast_path=fast_path,
+                         max_draft_tokens=config.speculative_ngram_max_k)
     return EngineParts(config=config, model_dir=target.model_dir, model=model, device=target.device,
                        max_model_len=target.max_model_len, sampler=sampler, kv_caches=kv_caches,
                        block_manager=block_manager, scheduler=scheduler, runner=runner, placement_plan=target.plan,
@@ -170,7 +171,7 @@ def _num_kv_blocks(target: _Target, model: Transformer, sampler: Sampler, dtype:
     if target.device.type != "cuda":
         return num_blocks_for_budget(model.config, config.block_size, dtype, config.kv_cache_bytes)
     probe = ModelRunner(model, [], config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                        target.max_model_len, sampler)
+                        target.max_model_len, sampler, max_draft_tokens=config.speculative_ngram_max_k)
     # Sharded: each device holds the KV of its own layers; the pool is what the tightest fits.
     layers_per_device = collections.Counter(model.layer_devices)
     for device in layers_per_device:

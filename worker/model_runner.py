@@ -63,6 +63,43 @@ class SequenceStep:
     output_token_ids: Sequence[int] = ()
     eos_token_ids: Sequence[int] = ()  # banned, with stop_token_ids, while under min_tokens
     constraint: Any = None  # structured output: the request's worker/constraints.Constraint
+    # Speculative decoding: the last len(draft_token_ids) of new_token_ids are a draft to verify, and
+    # the step samples at the position after each new token, not only the last (1 + len(draft) tokens);
+    # draft_seeds are the seeds of the tokens after the first (set when `seed` is).
+    draft_token_ids: Sequence[int] = ()
+    draft_seeds: Sequence[int] = ()
+
+    @property
+    def num_samples(self) -> int:
+        return (1 + len(self.draft_token_ids)) if self.needs_sample else 0
+
+
+def sampling_batch(seqs: list[SequenceStep]) -> SamplingBatch:
+    """The sampler's rows for the sampled sequences, in order: one per sequence, or 1 + len(draft) for a
+    sequence verifying a draft. Row j of a draft sees the sequence as if the draft's first j tokens had
+    been taken (its histories for penalties and min_tokens, its seed), so it samples exactly what an
+    unspeculated step at that position would; histories are extended only for rows that read them."""
+    params, generators, histories, outputs, constraints, eos, seeds = [], [], [], [], [], [], []
+    for s in seqs:
+        if s.draft_token_ids and s.constraint is not None:
+            # One matcher state cannot mask several positions; the engine never drafts for these.
+            raise ValueError("a constrained sequence cannot verify a draft")
+        p = s.params
+        reads_history = p.repetition_penalty != 1.0
+        reads_outputs = bool(p.presence_penalty or p.frequency_penalty or p.min_tokens)
+        row_seeds = [s.seed, *s.draft_seeds] if s.seed is not None else [None] * s.num_samples
+        for j in range(s.num_samples):
+            draft = s.draft_token_ids[:j]
+            params.append(p)
+            generators.append(s.generator)
+            histories.append([*s.token_history, *draft] if draft and reads_history else s.token_history)
+            outputs.append([*s.output_token_ids, *draft] if draft and reads_outputs else s.output_token_ids)
+            constraints.append(s.constraint)
+            eos.append(s.eos_token_ids)
+            seeds.append(row_seeds[j])
+    return SamplingBatch(params=params, generators=generators, token_histories=histories, output_token_ids=outputs,
+                         constraints=constraints if any(c is not None for c in constraints) else None,
+                         eos_token_ids=eos, seeds=seeds if any(x is not None for x in seeds) else None)
 
 
 class ModelRunner:
@@ -72,7 +109,8 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, kv_caches: list[KVCache], block_size: int,
                  max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 sampler: Sampler, attention_fn=paged_attention, fast_path: CpuFastPath | None = None):
+                 sampler: Sampler, attention_fn=paged_attention, fast_path: CpuFastPath | None = None,
+                 max_draft_tokens: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -84,6 +122,10 @@ class ModelRunner:
         self.output_device = model.output_device
         self.max_num_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # Rows of logits a step may sample: one per sequence, plus one per draft token (speculative
+        # decoding, at most max_draft_tokens per sequence), never more than the step has tokens.
+        self.max_draft_tokens = max_draft_tokens
+        self.max_num_samples = max(max_num_seqs, min(max_num_seqs * (1 + max_draft_tokens), max_num_batched_tokens))
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # Preallocated for the largest possible step, so a step allocates no buffers of
         # its own and memory does not creep. On CUDA, inputs are staged in pinned host
@@ -96,12 +138,12 @@ class ModelRunner:
             "positions": torch.zeros(self.max_num_tokens, **int64, pin_memory=is_cuda),
             "slot_mapping": torch.zeros(self.max_num_tokens, **int64, pin_memory=is_cuda),
             "seq_lens": torch.zeros(max_num_seqs, **int64, pin_memory=is_cuda),
-            "logits_indices": torch.zeros(max_num_seqs, **int64, pin_memory=is_cuda),
+            "logits_indices": torch.zeros(self.max_num_samples, **int64, pin_memory=is_cuda),
             "block_tables": torch.zeros(max_num_seqs, self.max_blocks_per_seq, **int64, pin_memory=is_cuda),
         }
         self._device = ({name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
                         if is_cuda else self._host)
-        self.logits = torch.zeros(max_num_seqs, model.config.vocab_size,
+        self.logits = torch.zeros(self.max_num_samples, model.config.vocab_size,
                                   dtype=model.embed_tokens.weight.dtype, device=self.output_device)
         # Fault injection for tests: called with a step's sequences before its forward; it may
         # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
@@ -142,18 +184,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def execute(self, seqs: list[SequenceStep]) -> list[SampledToken | None]:
+    def execute(self, seqs: list[SequenceStep]) -> list[SampledToken | list[SampledToken] | None]:
         """Run one step; per sequence (in input order) its sampled (token, logprob, top logprobs),
-        or None for a prompt chunk that does not reach the end of what is known."""
+        a list of 1 + len(draft) of them for a sequence verifying a draft, or None for a prompt
+        chunk that does not reach the end of what is known."""
         if not seqs:
             return []
         if len(seqs) > self.max_num_seqs:
             raise ValueError(f"step has {len(seqs)} sequences, more than max_num_seqs={self.max_num_seqs}")
         if self.fault_hook is not None:
             self.fault_hook(seqs)
-        for seq in seqs:
-            if seq.generator is not None and seq.seed is not None:
-                seq.generator.manual_seed(seq.seed)
         # Decodes first, longest context first: the attention fast path batches them in
         # groups of similar length (see AttentionMetadata).
         order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].new_token_ids) != 1,
@@ -169,22 +209,19 @@ class ModelRunner:
                 hidden = computes.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
             if not sampled:
                 return [None] * len(seqs)
-            logits = self.logits[:len(sampled)]
+            sampled_seqs = [seqs[order[j]] for j in sampled]
+            logits = self.logits[:logits_indices.shape[0]]
             logits_indices = logits_indices.to(self.output_device, non_blocking=True)
-            computes.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [B, V]
-            rows = [seqs[order[j]] for j in sampled]
-            batch = SamplingBatch(params=[s.params for s in rows], generators=[s.generator for s in rows],
-                                  token_histories=[s.token_history for s in rows],
-                                  output_token_ids=[s.output_token_ids for s in rows],
-                                  constraints=([s.constraint for s in rows] if any(s.constraint is not None for s in rows)
-                                               else None),
-                                  eos_token_ids=[s.eos_token_ids for s in rows])
-            result = self.sampler(logits, batch)
-        results: list[SampledToken | None] = [None] * len(seqs)
-        for row, j in enumerate(sampled):
-            logprob = result.logprobs[row] if result.logprobs is not None else None
-            top = result.top_logprobs[row] if result.top_logprobs is not None else None
-            results[order[j]] = (result.token_ids[row], logprob, top)
+            computes.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [R, V]
+            result = self.sampler(logits, sampling_batch(sampled_seqs))
+        results: list[SampledToken | list[SampledToken] | None] = [None] * len(seqs)
+        start = 0
+        for j, seq in zip(sampled, sampled_seqs):
+            tokens = [(result.token_ids[row], result.logprobs[row] if result.logprobs is not None else None,
+                       result.top_logprobs[row] if result.top_logprobs is not None else None)
+                      for row in range(start, start + seq.num_samples)]
+            start += seq.num_samples
+            results[order[j]] = tokens if seq.draft_token_ids else tokens[0]
         return results
 
     def _prepare(self, seqs: list[SequenceStep]):
@@ -195,10 +232,14 @@ class ModelRunner:
             input_ids.extend(seq.new_token_ids)
             positions.extend(range(seq.context_len, seq.context_len + len(seq.new_token_ids)))
             if seq.needs_sample:
-                logits_indices.append(len(input_ids) - 1)
+                # The last token's logits, and with a draft those of the tokens before each draft token.
+                logits_indices.extend(range(len(input_ids) - seq.num_samples, len(input_ids)))
                 sampled.append(j)
         if len(input_ids) > self.max_num_tokens:
             raise ValueError(f"step has {len(input_ids)} tokens, more than max_num_batched_tokens={self.max_num_tokens}")
+        if len(logits_indices) > self.max_num_samples:
+            raise ValueError(f"step samples {len(logits_indices)} positions, more than the {self.max_num_samples} "
+                             f"its logits buffer holds (a draft longer than speculative_ngram_max_k?)")
         meta = AttentionMetadata.build([s.block_table for s in seqs], [s.context_len for s in seqs],
                                        [len(s.new_token_ids) for s in seqs], self.block_size, put=self._stage)
         return (self._stage("input_ids", input_ids), self._stage("positions", positions), meta,
@@ -233,5 +274,5 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         meta = AttentionMetadata.build([list(range(num_blocks))], [0], [num_tokens], self.block_size, self.device)
         hidden = self.model(ids, positions, scratch, meta, self.attention_fn)
-        self.model.lm_head(hidden[-self.max_num_seqs:])
+        self.model.lm_head(hidden[-self.max_num_samples:])
         del scratch, hidden

@@ -7,6 +7,7 @@ from the worker's `Request` when it finishes. Pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from shared.sampling_params import TopLogprobs
 from worker.request import Request
@@ -27,6 +28,9 @@ class RequestOutput:
     error: str | None = None
     peak_kv_blocks: int = 0  # the most KV blocks the request held at once
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Speculative decoding on this worker: draft tokens verified, and how many sampling confirmed.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,21 +52,27 @@ class RequestDelta:
     final: RequestOutput | None = None  # set on the finished delta
     # Aligned with new_token_ids when params.top_logprobs > 0, else empty (new_logprobs: when params.logprobs).
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Speculative decoding in this step: draft tokens verified, and how many sampling confirmed.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
-def delta_for(request: Request, new_token_id: int | None = None, with_timings: bool = False) -> RequestDelta:
+def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings: bool = False,
+              num_draft_tokens: int = 0, num_accepted_draft_tokens: int = 0) -> RequestDelta:
+    """The delta of a step that took `new_token_ids` (the last ones of the request's output)."""
     timings = {}
     if with_timings and request.first_scheduled_s is not None and request.first_token_s is not None:
         timings = dict(worker_queue_ms=(request.first_scheduled_s - request.arrival_s) * 1e3,
                        prefill_ms=(request.first_token_s - request.first_scheduled_s) * 1e3)
+    num_new = len(new_token_ids)
     new_logprobs, new_top_logprobs = [], []
-    if new_token_id is not None and request.params.logprobs and request.output_logprobs:
-        new_logprobs = [request.output_logprobs[-1]]
-    if new_token_id is not None and request.params.top_logprobs and request.output_top_logprobs:
-        new_top_logprobs = [request.output_top_logprobs[-1]]
+    if num_new and request.params.logprobs and request.output_logprobs:
+        new_logprobs = request.output_logprobs[-num_new:]
+    if num_new and request.params.top_logprobs and request.output_top_logprobs:
+        new_top_logprobs = request.output_top_logprobs[-num_new:]
     return RequestDelta(
         request_id=request.request_id,
-        new_token_ids=[] if new_token_id is None else [new_token_id],
+        new_token_ids=list(new_token_ids),
         new_logprobs=new_logprobs,
         new_top_logprobs=new_top_logprobs,
         finished=request.is_finished,
@@ -73,11 +83,14 @@ def delta_for(request: Request, new_token_id: int | None = None, with_timings: b
         error=request.error,
         peak_kv_blocks=request.peak_num_blocks,
         final=final_output(request) if request.is_finished else None,
+        num_draft_tokens=num_draft_tokens,
+        num_accepted_draft_tokens=num_accepted_draft_tokens,
         **timings,
     )
 
 
 def final_output(request: Request) -> RequestOutput:
+    speculation = request.speculation
     return RequestOutput(
         request_id=request.request_id,
         token_ids=list(request.output_token_ids),
@@ -89,4 +102,6 @@ def final_output(request: Request) -> RequestOutput:
         top_logprobs=list(request.output_top_logprobs),
         error=request.error,
         peak_kv_blocks=request.peak_num_blocks,
+        num_draft_tokens=speculation.num_draft_tokens if speculation is not None else 0,
+        num_accepted_draft_tokens=speculation.num_accepted_tokens if speculation is not None else 0,
     )

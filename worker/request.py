@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.sampling_params import SamplingParams, TopLogprobs
+from worker.speculative import NgramSpeculation
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +60,8 @@ class Request:
     # Structured output: the matcher of its grammar (worker/constraints.Constraint), advanced with every
     # token; None when unconstrained.
     constraint: Any = None
+    # Speculative decoding by prompt lookup: its draft proposer, None when the request does not speculate.
+    speculation: NgramSpeculation | None = None
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list so a step never concatenates. Output tokens given at

@@ -69,6 +69,10 @@ class SamplingBatch:
     eos_token_ids: list[Sequence[int]] | None = None
     # Per row, the request's structured-output Constraint (worker/constraints.py) or None. None: no row has one.
     constraints: list | None = None
+    # Per row, the seed its generator is set to right before the row draws (token_seed of the row's output
+    # position), or None to draw from the generator as it stands. Seeding at the draw lets several rows of
+    # one request (a speculative draft's positions) share its generator, and a retried step draw the same.
+    seeds: list[int | None] | None = None
 
 
 @dataclass
@@ -255,13 +259,14 @@ class Sampler:
 
         sampled_params = [batch.params[i] for i in sampled_rows]
         sampled_generators = [batch.generators[i] for i in sampled_rows]
+        sampled_seeds = [batch.seeds[i] for i in sampled_rows] if batch.seeds is not None else None
         if len(sampled_rows) == num_rows:
-            return self._sample(x, sampled_params, sampled_generators)  # [P]
+            return self._sample(x, sampled_params, sampled_generators, sampled_seeds)  # [P]
         tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
         if sampled_rows:
             row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
             xs = x.index_select(0, row_index)  # [S, V]
-            tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators))
+            tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators, sampled_seeds))
         return tokens
 
     @staticmethod
@@ -280,9 +285,11 @@ class Sampler:
         return banned
 
     def _sample(
-        self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+        seeds: list[int | None] | None = None,
     ) -> torch.Tensor:
-        """Sample one token per row of x [S, V] (float32, modified in place); returns token ids [S]."""
+        """Sample one token per row of x [S, V] (float32, modified in place); returns token ids [S]. A row with
+        a seed sets its generator to it first (SamplingBatch.seeds)."""
         num_rows, vocab_size = x.shape
         device = x.device
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [S]
@@ -306,6 +313,8 @@ class Sampler:
         unseeded = [i for i, g in enumerate(generators) if g is None]
         for i, g in enumerate(generators):
             if g is not None:
+                if seeds is not None and seeds[i] is not None:
+                    g.manual_seed(seeds[i])
                 # A seeded row draws exactly V values per sampled step from its own generator, nothing else.
                 q[i].copy_(torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=g))
         if len(unseeded) == num_rows:
@@ -333,7 +342,7 @@ class Sampler:
             "batch.generators": len(batch.generators),
             "batch.token_histories": len(batch.token_histories),
         }
-        for name in ("output_token_ids", "eos_token_ids"):
+        for name in ("output_token_ids", "eos_token_ids", "seeds"):
             if getattr(batch, name) is not None:
                 lengths[f"batch.{name}"] = len(getattr(batch, name))
         for name, length in lengths.items():

@@ -14,6 +14,10 @@ the first step where every shared block is computed, then finds them in the pref
 The leader progresses every step it is scheduled, and one that is preempted, aborted or
 finished no longer defers anyone, so no request waits forever. Each request's block hashes
 are computed once, as far as a comparison needs them (`_BlockHashes`).
+
+Speculative decoding: a decode of a request with a draft proposer (`Request.speculation`) may bring
+a draft after its one new token, verified in the same forward (worker/drafts.py); `update` keeps the
+tokens sampling agrees with and gives back the blocks of the rest.
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ from typing import Sequence
 
 from shared.block_hash import hash_block
 from shared.engine_config import EngineConfig
-from shared.sampling_params import TopLogprobs
 from worker.block_manager import BlockManager
+from worker.drafts import SampledToken, draft_budget, draft_for, take_verified
 from worker.request import Request, RequestStatus
 
 
@@ -45,17 +49,23 @@ class SchedulerConfig:
     # Admission keeps this fraction of the pool free, so new requests do not force
     # preemptions of running ones on their next decode.
     admission_watermark: float = 0.01
+    # Speculative decoding: drafts fill a step only up to this many tokens, decodes included (0: no cap).
+    max_step_tokens_with_drafts: int = EngineConfig.speculative_ngram_max_step_tokens
 
     @classmethod
     def from_engine(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
         return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                   max_model_len=max_model_len, max_prefill_chunk_tokens=config.max_prefill_chunk_tokens)
+                   max_model_len=max_model_len, max_prefill_chunk_tokens=config.max_prefill_chunk_tokens,
+                   max_step_tokens_with_drafts=config.speculative_ngram_max_step_tokens)
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    # Speculative decoding: tokens proposed after a decode's one known new token, computed (and a token
+    # sampled after each) in the same step; num_new_tokens counts them.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,16 +76,19 @@ class StepFailure:
 
 # What the runner returns per scheduled request: (token id, logprob, top logprobs) when the step reached
 # its last known token and sampled (logprob and top None when the request did not ask for them), None for
-# a prompt chunk that did not, or a StepFailure.
-StepResult = tuple[int, float | None, TopLogprobs | None] | None | StepFailure
+# a prompt chunk that did not, or a StepFailure. A request with a draft gets a list of 1 + len(draft) of
+# them: entry j was sampled at the position after the decode's token and the draft's first j tokens.
+StepResult = SampledToken | list[SampledToken] | None | StepFailure
 
 
 @dataclass(frozen=True)
 class RequestUpdate:
     """What one step changed in one request, for the engine to report."""
     request: Request
-    new_token_id: int | None  # sampled this step
+    new_token_ids: tuple[int, ...]  # taken this step: one, or with a draft up to 1 + len(draft)
     is_first_token: bool = False  # the first token this worker sampled for it
+    num_draft_tokens: int = 0  # speculative decoding: tokens of the draft verified this step
+    num_accepted_tokens: int = 0  # and how many of them sampling confirmed
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,10 @@ class Scheduler:
         # Request id -> the chain hashes of its full blocks, as far as they were needed (prefix siblings).
         self._block_hashes: dict[str, _BlockHashes] = {}
         self.num_preemptions = 0
+        # Speculative decoding, since the start: drafts verified, their tokens, and the tokens confirmed.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         # Set by the worker loop while memory is HIGH or worse: waiting requests stay waiting,
         # except one when nothing runs (so the worker always makes progress).
         self.admission_paused = False
@@ -139,12 +156,22 @@ class Scheduler:
         preempted: list[Request] = []
         # Decodes first, then unfinished prompt chunks: a running decode never waits
         # behind more than one chunk.
-        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        spare = draft_budget(len(order), self.config.max_step_tokens_with_drafts, self.config.max_num_batched_tokens)
+        for request in order:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(request, budget)
+            draft = draft_for(request, num_new, min(budget - 1, spare))
+            # A draft never preempts anyone: with the pool short the request decodes one token as usual.
+            if draft and self.blocks.allocate_slots(request.request_id,
+                                                    request.num_computed_tokens + 1 + len(draft)):
+                scheduled[request.request_id] = ScheduledRequest(request, 1 + len(draft), tuple(draft))
+                budget -= 1 + len(draft)
+                spare -= len(draft)
+                continue
             while not self.blocks.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = self._pick_victim(request, scheduled)
                 self._preempt(victim)
@@ -287,7 +314,10 @@ class Scheduler:
             request.peak_num_blocks = max(request.peak_num_blocks, self.blocks.num_blocks_held(request.request_id))
             if isinstance(result, StepFailure):
                 self.finish(request, RequestStatus.FINISHED_ERROR, result.error)
-                updates.append(RequestUpdate(request, None))
+                updates.append(RequestUpdate(request, ()))
+                continue
+            if item.draft_token_ids:
+                updates.append(self._apply_verified(item, result))
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
@@ -296,14 +326,37 @@ class Scheduler:
             token_id, logprob, top = result
             params = request.params
             request.append_token(token_id, logprob if params.logprobs else None, top if params.top_logprobs else None)
-            is_first = request.first_token_s is None
-            if is_first:
-                request.first_token_s = time.monotonic()
+            is_first = self._note_first_token(request)
             status = request.stop_status()
             if status is not None:
                 self.finish(request, status)
-            updates.append(RequestUpdate(request, token_id, is_first))
+            updates.append(RequestUpdate(request, (token_id,), is_first))
         return updates
+
+    def _apply_verified(self, item: ScheduledRequest, results: list[SampledToken]) -> RequestUpdate:
+        """A decode that verified a draft: take the tokens sampling confirmed (worker/drafts.py), then
+        register the computed blocks, and finish the request or give back the blocks of the rest."""
+        request, draft = item.request, item.draft_token_ids
+        new_token_ids, accepted, status = take_verified(request, draft, results)
+        self.num_drafts += 1
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_draft_tokens += accepted
+        self.blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        is_first = self._note_first_token(request)
+        if status is not None:
+            self.finish(request, status)
+        else:
+            # The slots past the computed tokens hold only rejected drafts' K/V: their blocks go back.
+            self.blocks.trim_slots(request.request_id, request.num_computed_tokens)
+        return RequestUpdate(request, tuple(new_token_ids), is_first, len(draft), accepted)
+
+    @staticmethod
+    def _note_first_token(request: Request) -> bool:
+        """Stamp the first token sampled on this worker; True if it is that one."""
+        if request.first_token_s is not None:
+            return False
+        request.first_token_s = time.monotonic()
+        return True
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Move a live request to a terminal status and free everything it holds."""

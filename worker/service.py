@@ -261,7 +261,8 @@ class WorkerService:
                 request_id=out.request_id, new_token_ids=out.new_token_ids, finished=out.finished,
                 finish_reason=out.finish_reason or "", error=out.error or "",
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-                worker_queue_ms=out.worker_queue_ms, prefill_ms=out.prefill_ms)
+                worker_queue_ms=out.worker_queue_ms, prefill_ms=out.prefill_ms,
+                num_draft_tokens=out.num_draft_tokens, num_accepted_draft_tokens=out.num_accepted_draft_tokens)
             if out.new_logprobs:
                 delta.logprobs.extend(logprobs_to_wire(out.new_logprobs, out.new_top_logprobs))
             if out.finished:
@@ -296,4 +297,6 @@ class WorkerService:
             kv_blocks_free=stats.kv_blocks_free, kv_blocks_cached=stats.kv_blocks_cached,
             num_prefix_query_tokens=stats.num_prefix_query_tokens, num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
             num_preemptions=stats.num_preemptions, num_steps=stats.num_steps,
-            num_oom_recoveries=stats.num_oom_recoveries, kv_events_seq=self._kv_seq)
+            num_oom_recoveries=stats.num_oom_recoveries, num_spec_drafts=stats.num_spec_drafts,
+            num_spec_draft_tokens=stats.num_spec_draft_tokens,
+            num_spec_accepted_tokens=stats.num_spec_accepted_tokens, kv_events_seq=self._kv_seq)

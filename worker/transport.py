@@ -35,6 +35,9 @@ class LoadSnapshot:
     num_preemptions: int = 0
     num_steps: int = 0
     num_oom_recoveries: int = 0
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     kv_events_seq: int = 0  # the last KvEvents seq sent, never one not yet sent
 
 
@@ -99,6 +102,8 @@ def build_heartbeat(s: LoadSnapshot, info: StaticInfo, progress: LoopProgress, m
         utilization_percent=m.utilization_percent,
         num_prefix_query_tokens=s.num_prefix_query_tokens, num_prefix_hit_tokens=s.num_prefix_hit_tokens,
         num_preemptions=s.num_preemptions, num_steps=s.num_steps, num_oom_recoveries=s.num_oom_recoveries,
+        num_spec_drafts=s.num_spec_drafts, num_spec_draft_tokens=s.num_spec_draft_tokens,
+        num_spec_accepted_tokens=s.num_spec_accepted_tokens,
         is_hung=hung, is_draining=s.is_draining, kv_events_seq=s.kv_events_seq,
         model_fingerprint=info.model_fingerprint, model_name=info.model_name)
 

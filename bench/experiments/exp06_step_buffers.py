@@ -48,7 +48,8 @@ def step_buffer_bytes(runner: ModelRunner) -> int:
 def use_allocating_runner(engine) -> None:
     old = engine.runner
     engine.runner = AllocatingRunner(old.model, old.kv_caches, old.block_size, old.max_num_tokens, old.max_num_seqs,
-                                     old.max_blocks_per_seq * old.block_size, old.sampler, old.attention_fn)
+                                     old.max_blocks_per_seq * old.block_size, old.sampler, old.attention_fn,
+                                     max_draft_tokens=old.max_draft_tokens)
 
 
 def memory_bytes(device: torch.device) -> int:
