@@ -72,7 +72,10 @@ class RayDeployment:
 
 
 def serving(report: dict, count: int) -> bool:
-    return len(report["workers"]) == count and all(w["health"] == "SERVING" for w in report["workers"])
+    """`count` workers the gateway serves, each with its actor answering and its process alive (a
+    restarting actor does not answer, while the gateway may still list its old process)."""
+    return len(report["workers"]) == count and all(w["health"] == "SERVING" and w.get("alive")
+                                                   for w in report["workers"])
 
 
 def stream_all(stub, prompts, sampling) -> tuple[list, list]:
@@ -153,7 +156,8 @@ def test_up_serve_lose_a_node_scale_and_down(served_checkpoint, ray_cluster, tmp
             ray_cluster.remove_node(node, allow_graceful=False)
             assert finish(streams, firsts) == expected_long
             ray_cluster.add_node(num_cpus=2)
-            report = deployment.wait_for(lambda r: serving(r, 2), "the lost worker restarted on the new node")
+            report = deployment.wait_for(lambda r: serving(r, 2) and any(
+                w["worker_id"] == victim and w["restarted"] for w in r["workers"]), "the lost worker restarted")
             restarted = next(w for w in report["workers"] if w["worker_id"] == victim)
             assert restarted["restarted"] and restarted["node_id"] not in nodes.values()
             seen_pids |= {w["pid"] for w in report["workers"]}
