@@ -73,9 +73,7 @@ class GatewayActor:
     def health(self, services: list[str]) -> dict[str, str]:
         """The gateway's grpc.health.v1 status of each service ("" = the gateway; a worker id = that
         worker), asked from this node, so a loopback-only gateway answers too."""
-        if self.spec.project_root not in sys.path:
-            sys.path.insert(0, self.spec.project_root)
-        from tools.health_probe import check_health
+        from tools.health_probe import check_health  # the actor's PYTHONPATH is the project root
         address = f"127.0.0.1:{self.config.gateway.port}" if self.config.gateway.host in (
             "0.0.0.0", "127.0.0.1", "") else self.addresses()["grpc"]
         return {s: check_health(address, s, timeout_s=3.0) for s in services}
