@@ -106,10 +106,21 @@ def test_plans_share_nothing(weight, monkeypatch):
     measured = []
     monkeypatch.setattr(quantization, "choose_path", lambda layer, rows, repeats: measured.append(rows) or "dequant")
     twin = QuantizedLinear(quantize(weight, 8), plan=big)
-    assert big.choose_paths(large) == big.choose_paths(twin) == ("dequant", "dequant")
-    assert measured == [4, 128]  # the same kind of layer is measured once per plan...
+    assert big.choose_paths(large) == big.choose_paths(twin) == ("ours", "dequant")
+    assert measured == [128]  # the same kind of layer is measured once per plan...
     small.choose_paths(QuantizedLinear(quantize(weight, 8), plan=small))
-    assert measured == [4, 128, 4, 128]  # ...and again in another plan
+    assert measured == [128, 128]  # ...and again in another plan
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_sized_steps_take_our_kernel_whatever_the_timings(weight, bits, monkeypatch):
+    """Untimed wherever our kernel runs (the CPU fast path's one call needs it); timed elsewhere."""
+    monkeypatch.setattr(quantization, "choose_path", lambda layer, rows, repeats: "kernel")  # as a loaded machine may time it
+    layer = QuantizedLinear(quantize(weight, bits, group_size=64))
+    assert layer.plan.choose_paths(layer) == ("ours", "kernel") == (layer.small_path, layer.path)
+    monkeypatch.setattr(QuantizedLinear, "path_available", lambda self, path, device: path != "ours")
+    other = QuantizedLinear(quantize(weight[:64], bits, group_size=64))
+    assert other.plan.choose_paths(other) == ("kernel", "kernel")
 
 
 def test_quantized_engines_each_own_their_plan(checkpoints):

@@ -7,10 +7,11 @@ Pure tensor code. The stored formats are our own and device independent:
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
 float in registers, CPU only), "kernel" (torch's packed matmuls) or "dequant" (rebuild the float
-weight into a reused buffer, then the float matmul). A `QuantizationPlan`, one per model, times
-them on each kind of layer's own shape and device, once for decode-sized steps and once for
-prefill-sized ones, and owns the buffer the dequant path rebuilds weights into: nothing is kept
-process-wide, so one engine's choices never depend on what ran before it in the process.
+weight into a reused buffer, then the float matmul). A `QuantizationPlan`, one per model, gives
+decode-sized steps our kernel wherever it runs (else the faster of the others), times the paths
+on each kind of layer's own shape and device for prefill-sized steps, and owns the buffer the
+dequant path rebuilds weights into: nothing is kept process-wide, so one engine's choices never
+depend on what ran before it in the process.
 """
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def _torch_int4_operands(qw: QuantizedWeight, device: torch.device):
 class QuantizedLinear(nn.Module):
     """y = (x * input_scale) W^T (+ b) with W stored quantized. `small_path` (steps of up to
     SMALL_ROWS rows) and `path` (larger ones) are each "ours", "kernel" or "dequant", set by the
-    plan's measurement (`QuantizationPlan.choose_paths`) or by hand.
+    plan (`QuantizationPlan.choose_paths`) or by hand.
 
     Its state is persistent buffers (`qweight`, `scales`, optional `zeros` and `input_scale`)
     and an optional `bias`, so `state_dict` saves it and a shell from `empty` loads it back.
@@ -301,8 +302,13 @@ class QuantizationPlan:
         and timing each of a large model's hundreds of projections would cost minutes at start)."""
         key = (layer.bits, layer.shape, layer.group_size, layer.qweight.device, layer.scales.dtype)
         if key not in self._paths:
-            self._paths[key] = (choose_path(layer, rows=4, repeats=PATH_TIMING_REPEATS),
-                                choose_path(layer, rows=128, repeats=PATH_TIMING_REPEATS))
+            # Decode-sized steps take our kernel wherever it runs, untimed: it lets the CPU fast
+            # path run every layer of a step in one call, a saving a per-layer timing cannot see,
+            # and a route that follows the machine's load at start would make a restarted worker
+            # compute (and round) differently.
+            ours = layer.path_available("ours", layer.qweight.device)
+            small = "ours" if ours else choose_path(layer, rows=4, repeats=PATH_TIMING_REPEATS)
+            self._paths[key] = (small, choose_path(layer, rows=128, repeats=PATH_TIMING_REPEATS))
         layer.small_path, layer.path = self._paths[key]
         return self._paths[key]
 
