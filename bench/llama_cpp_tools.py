@@ -12,7 +12,7 @@ from pathlib import Path
 from bench.checkpoints import REPO_ROOT
 from bench.llama_server import convert_to_gguf
 
-GGUF_TYPES = ("f32", "q8_0", "q4_0")
+GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
 TIMEOUT_S = 3600
 
 

@@ -41,7 +41,9 @@ def device_type(name: str) -> str | None:
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
-    dtype: str = ""  # "": float32 on CPU, the checkpoint's half type on CUDA
+    # "": on the CPU bfloat16 for a bf16 checkpoint, else float32; on CUDA the checkpoint's half
+    # type. bfloat16 on the CPU stores the weights in bf16 and computes in float32.
+    dtype: str = ""
     num_threads: int = 0  # torch CPU threads; 0 leaves torch's default (the worker process sets it)
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: size the pool from memory

@@ -30,7 +30,7 @@ from worker.model.placement import WeightPlacement, attach_placement, plan_weigh
 from worker.model.quantize_model import QuantizationReport, quantize_model
 from worker.model.quantized_checkpoint import quantization_config
 from worker.model.transformer import Transformer
-from worker.model.weights import load_model, resolve_dtype
+from worker.model.weights import load_model
 from worker.model_runner import ModelRunner
 from worker.sampler import Sampler
 from worker.scheduler import Scheduler, SchedulerConfig
@@ -148,7 +148,7 @@ def _calibrate(target: _Target, model: Transformer, make_engine: Callable[[Engin
 def _assemble(target: _Target, model: Transformer, load_seconds: float,
               fast_path: CpuFastPath | None = None) -> EngineParts:
     config = target.config
-    dtype = resolve_dtype(config.dtype or None, target.device, target.model_config)
+    dtype = model.compute_dtype
     # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
     sampler = Sampler(model.output_device, seed=config.seed)
     num_blocks = _num_kv_blocks(target, model, sampler, dtype)

@@ -144,7 +144,7 @@ class ModelRunner:
         self._device = ({name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
                         if is_cuda else self._host)
         self.logits = torch.zeros(self.max_num_samples, model.config.vocab_size,
-                                  dtype=model.embed_tokens.weight.dtype, device=self.output_device)
+                                  dtype=model.compute_dtype, device=self.output_device)
         # Fault injection for tests: called with a step's sequences before its forward; it may
         # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
         self.fault_hook: Callable[[list[SequenceStep]], None] | None = None

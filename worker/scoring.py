@@ -38,7 +38,7 @@ def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size:
     """Log-probabilities [L, V] (float32) of the next token after each of token_ids' L
     positions, the whole window as one sequence."""
     device = model.input_device
-    dtype = next(model.parameters()).dtype
+    dtype = model.compute_dtype
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
     kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, model.layer_devices)

@@ -4,7 +4,8 @@ says why when it declines.
 
 It computes what the modules compute (worker/model/transformer.py is the reference; the tests
 hold the two together), with the weights in the kernels' layouts: float projections as packed
-panels, quantized ones through their own QuantizedLinear (by the path their plan measured).
+panels (float32, or bfloat16 widened in registers), quantized ones through their own
+QuantizedLinear (by the path their plan chose). Activations are float32 whatever the weights.
 One call runs every layer of a step (csrc/decoder_layers.cpp) where every projection of the
 decoder layers is packed or quantized with our kernels as its path for the step's size (INT8
 and INT4 widen their weights in registers there too); otherwise the kernels run one call at a
@@ -27,7 +28,7 @@ from torch import nn
 
 from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, prefill_attention
-from worker.model.layers import Linear
+from worker.model.layers import PANEL_DTYPES, Linear
 from worker.model.quantization import SMALL_ROWS, QuantizedLinear
 from worker.model.transformer import AttentionFn, KVCache, Transformer
 
@@ -196,7 +197,7 @@ class CpuFastPath:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
-        x = F.embedding(input_ids, self.embedding)  # [T, hidden]
+        x = F.embedding(input_ids, self.embedding).float()  # [T, hidden] (a bf16 table's rows widened)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] each
         one_call = self._one_call_for(x.shape[0])
         if one_call is not None and (self.prefill_kernel or meta.num_decodes == x.shape[0]):
@@ -246,9 +247,12 @@ def choose_fast_path(model: Transformer, attention_fn: AttentionFn = paged_atten
     devices = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
     if devices != {"cpu"}:
         return None, f"the model is on {', '.join(sorted(devices))}, not only the CPU: the modules run"
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.compute_dtype
     if dtype != torch.float32:
         return None, f"the model computes in {dtype}, our kernels in float32: the modules run"
+    stored = {m.weight.dtype for m in model.modules() if isinstance(m, Linear) and "weight" in m._parameters}
+    if not stored <= set(PANEL_DTYPES):
+        return None, f"weights stored in {', '.join(sorted(map(str, stored)))}, which our kernels do not read"
     if attention_fn is not paged_attention:
         return None, f"attention {getattr(attention_fn, '__name__', attention_fn)} asked for: the modules run"
     if model.placement is not None:

@@ -53,14 +53,17 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
         bits = rule.bits_for(full_name, linear.weight)
         if bits is None:
             continue
-        weight = linear.weight.data
+        # Quantized from, and scaled in, what the model computes in (a bf16 weight on the CPU is
+        # widened first: its layer's scales and input scale are float32 like its activations).
+        dtype = getattr(model, "compute_dtype", linear.weight.dtype)
+        weight = linear.weight.data.to(dtype)
         input_scale = input_scales.get(full_name)
         if input_scale is not None:
             input_scale = input_scale.to(weight.device, torch.float32)
             weight = weight.float() / input_scale[None, :]
         qw = quantize(weight, bits, rule.group_size, rule.symmetric)
         quantized = QuantizedLinear(qw, linear.bias.data if linear.bias is not None else None,
-                                    dtype=linear.weight.dtype, input_scale=input_scale, plan=plan)
+                                    dtype=dtype, input_scale=input_scale, plan=plan)
         if measure_paths:
             plan.choose_paths(quantized)
         setattr(parent, name, quantized)

@@ -107,7 +107,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, attention_fn: AttentionFn = paged_attention) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.compute_dtype)
         rope = self.rotary(positions)
         if self.placement is not None:
             x = self.placement.run_layers(self.layers, x, rope, kv_caches, meta, attention_fn)
@@ -115,6 +115,21 @@ class Transformer(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, rope, kv_cache, meta, attention_fn)
         return self.norm(x)
+
+    def store_weights_in(self, dtype: torch.dtype) -> None:
+        """Hold the embedding and every float projection's weight (the head's too) in `dtype`,
+        leaving norms, biases and the activations in the dtype the model was built in: bfloat16
+        weights on the CPU, read as bf16 and widened to float32 where they are used. Call before
+        the weights are materialized or loaded (the loader copies into each parameter's dtype)."""
+        for module in [self.embed_tokens, *(m for m in self.modules() if isinstance(m, Linear))]:
+            module.weight.data = module.weight.data.to(dtype)
+        self.tie_weights()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What activations, logits and the KV cache are computed in (the final norm is held in
+        it whatever the weights are stored in)."""
+        return self.norm.weight.dtype
 
     @property
     def input_device(self) -> torch.device:

@@ -30,7 +30,9 @@ _FUSED = {
 
 
 def resolve_dtype(requested: str | torch.dtype | None, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """float32 on CPU (bf16 matmuls are slow there); on CUDA the checkpoint's half type, else bfloat16."""
+    """The dtype weights are stored in, unless asked: on the CPU bfloat16 for a bf16 checkpoint
+    (computed in float32, so nothing is lost against it, and half the bytes to read), else
+    float32; on CUDA the checkpoint's half type, else bfloat16."""
     if isinstance(requested, torch.dtype):
         return requested
     if requested not in (None, "auto"):
@@ -39,8 +41,15 @@ def resolve_dtype(requested: str | torch.dtype | None, device: torch.device, con
             raise ValueError(f"unsupported dtype {requested!r}; use float32, bfloat16 or float16")
         return dtype
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     return torch.float16 if config.dtype == "float16" else torch.bfloat16
+
+
+def compute_dtype_for(storage: torch.dtype, device: torch.device) -> torch.dtype:
+    """What a model whose weights are stored in `storage` computes in: float32 for bfloat16
+    weights on the CPU (our kernels widen them in registers; bf16 arithmetic is slow there and
+    rounds every activation), else the storage dtype."""
+    return torch.float32 if device.type == "cpu" and storage == torch.bfloat16 else storage
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -69,13 +78,16 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
         raise ValueError(f"placement has {len(plan.layer_devices)} layers, the model {config.num_layers}")
     # The compute device decides the dtype, also for layers parked in host memory (on_demand).
     dtype = resolve_dtype(dtype, plan.compute_device, config)
+    compute_dtype = compute_dtype_for(dtype, plan.compute_device)
     started = time.perf_counter()
     # Build on the meta device so no memory is spent on a random init we overwrite.
     with torch.device("meta"):
-        model = Transformer(config, max_positions).to(dtype)
+        model = Transformer(config, max_positions).to(compute_dtype)
+        if dtype != compute_dtype:
+            model.store_weights_in(dtype)
     qconfig = quantization_config(model_dir)  # a checkpoint tools/quantize_checkpoint.py wrote
     if qconfig is not None:
-        install_quantized_shells(model, qconfig, dtype)
+        install_quantized_shells(model, qconfig, compute_dtype)
     _materialize(model, plan)
     model.rotary.build_table(plan.embed_device)  # cos/sin stay float32 whatever the model dtype
     if qconfig is not None:
@@ -87,7 +99,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=
         model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().to(plan.head_device))
     model.eval().requires_grad_(False)
     model.load_seconds = time.perf_counter() - started
-    log.info("loaded %s (%s, load_mode %s) in %.2f s", model_dir, dtype, plan.load_mode, model.load_seconds)
+    stored = dtype if dtype == compute_dtype else f"{dtype} weights, computing in {compute_dtype}"
+    log.info("loaded %s (%s, load_mode %s) in %.2f s", model_dir, stored, plan.load_mode, model.load_seconds)
     return model
 
 

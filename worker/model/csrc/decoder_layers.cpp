@@ -3,9 +3,10 @@
 // (worker/model/transformer.py), without the Python between them. On a decode step the Python
 // dispatch between about a hundred small calls for a model's layers is a large share of the
 // step (docs/benchmarks.md); here it is a few C++ calls per layer. Qwen3's per-head q/k norms
-// run in place in qkv, before the rotary embedding. A projection is a float one (packed panels)
-// or a weight-only quantized one (INT8 per channel, INT4 per group), told apart by its weight's
-// dtype, each through the kernel its layer-by-layer route takes (linear.cpp).
+// run in place in qkv, before the rotary embedding. A projection is a float one (packed panels,
+// float32 or bfloat16) or a weight-only quantized one (INT8 per channel, INT4 per group), told
+// apart by its weight's dtype, each through the kernel its layer-by-layer route takes
+// (linear.cpp).
 #include "kernels.h"
 
 #include <optional>
@@ -14,7 +15,7 @@
 namespace {
 
 // Per projection, in the order the Python side lists them (LayerWeights.one_call_tensors): the
-// weight (float32 panels, int8 [N, K] or uint8 [N, K/2]), its scales and zeros (quantized
+// weight (float32 or bfloat16 panels, int8 [N, K] or uint8 [N, K/2]), its scales and zeros (quantized
 // only; zeros INT4 only), the input scale x is multiplied by first (quantized only, optional)
 // and the bias (optional).
 enum ProjectionTensor { kWeight, kScales, kZeros, kInputScale, kBias, kNumProjectionTensors };
@@ -36,7 +37,8 @@ using LayerTensors = std::vector<std::optional<at::Tensor>>;
 bool valid_projection(const LayerTensors& layer, int first) {
   const auto& weight = layer[first + kWeight];
   if (!weight) return false;
-  if (weight->dtype() == at::kFloat) return !layer[first + kScales] && !layer[first + kInputScale];
+  if (weight->dtype() == at::kFloat || weight->dtype() == at::kBFloat16)
+    return !layer[first + kScales] && !layer[first + kInputScale];
   if (weight->dtype() == at::kChar) return layer[first + kScales].has_value() && !layer[first + kZeros];
   if (weight->dtype() == at::kByte) return layer[first + kScales].has_value() && layer[first + kZeros].has_value();
   return false;
@@ -45,7 +47,7 @@ bool valid_projection(const LayerTensors& layer, int first) {
 // out [T, N] = x @ W^T (+ bias), by the projection's kind.
 void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tensor out) {
   const at::Tensor& weight = *layer[first + kWeight];
-  if (weight.dtype() == at::kFloat) {
+  if (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) {
     linear_packed(x, weight, out);
   } else {
     const auto& input_scale = layer[first + kInputScale];

@@ -16,35 +16,54 @@ constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
 // packed [ceil(N / kPanel), K, kPanel] (zero padded), so that for each k the panel's kPanel
-// weights are one contiguous 64-byte row. A register tile of up to kPanelRows rows of x times
-// one panel keeps 2 x kPanelRows AVX2 accumulators over the whole of K: each step loads two
-// weight vectors, broadcasts one x value per row and issues two FMAs per row. The panel
-// (K x 64 bytes) stays in L1/L2 while every row tile of x passes over it, so the weight is
-// read from memory once per call whatever the rows. Threads split the panels.
+// weights are one contiguous row (64 bytes in float32, 32 in bfloat16). A register tile of up
+// to kPanelRows rows of x times one panel keeps 2 x kPanelRows AVX2 accumulators over the whole
+// of K: each step loads two weight vectors (bf16 widened to float32 in registers, so the
+// arithmetic is float32 either way), broadcasts one x value per row and issues two FMAs per
+// row. The panel stays in L1/L2 while every row tile of x passes over it, so the weight is read
+// from memory once per call whatever the rows. Threads split the panels.
 constexpr int64_t kPanel = 16;
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int64_t kPrefetchMaxRows = 64;
+constexpr int64_t kCacheLine = 64;
 
-// With kPrefetch, `next` is the panel this thread takes next. Its k-th 64-byte line is
-// prefetched (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile,
-// so the next panel streams in from memory evenly over all of this panel's compute rather
-// than after it (or in a burst that fills the core's miss buffers and stalls the FMAs).
-template <int MR, bool kPrefetch>
-inline void panel_tile(const float* x, int64_t in_features, const float* panel, float* out,
-                       int64_t out_features, int64_t n_count, const float* next, int64_t tile, int64_t num_tiles) {
 #ifdef HAVE_AVX2_FMA
+// One panel row (kPanel weights at row k) as two float32 vectors.
+inline void load_panel_row(const float* row, __m256& lo, __m256& hi) {
+  lo = _mm256_load_ps(row);
+  hi = _mm256_load_ps(row + 8);
+}
+
+inline void load_panel_row(const at::BFloat16* row, __m256& lo, __m256& hi) {
+  const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
+  lo = widen_bf16(_mm256_castsi256_si128(bits));
+  hi = widen_bf16(_mm256_extracti128_si256(bits, 1));
+}
+#endif
+
+// With kPrefetch, `next` is the panel this thread takes next. Its cache lines are prefetched
+// (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile, one line per
+// kLinesPerRow rows, so the next panel streams in from memory evenly over all of this panel's
+// compute rather than after it (or in a burst that fills the core's miss buffers and stalls
+// the FMAs).
+template <int MR, bool kPrefetch, typename W>
+inline void panel_tile(const float* x, int64_t in_features, const W* panel, float* out,
+                       int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
+#ifdef HAVE_AVX2_FMA
+  constexpr int64_t kRowsPerLine = kCacheLine / (kPanel * static_cast<int64_t>(sizeof(W)));
   // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
   // accumulator arrays on the stack and stores them back on every step).
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-  int64_t prefetch_k = next != nullptr ? tile : in_features;
+  int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
       _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      prefetch_k += num_tiles;
+      prefetch_k += num_tiles * kRowsPerLine;
     }
-    const __m256 w_lo = _mm256_load_ps(panel + k * kPanel), w_hi = _mm256_load_ps(panel + k * kPanel + 8);
+    __m256 w_lo, w_hi;
+    load_panel_row(panel + k * kPanel, w_lo, w_hi);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 a = _mm256_broadcast_ss(x + i * in_features + k);
@@ -63,15 +82,16 @@ inline void panel_tile(const float* x, int64_t in_features, const float* panel, 
   for (int i = 0; i < MR; ++i) {
     float row[kPanel] = {};
     for (int64_t k = 0; k < in_features; ++k)
-      for (int64_t j = 0; j < kPanel; ++j) row[j] += x[i * in_features + k] * panel[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j)
+        row[j] += x[i * in_features + k] * static_cast<float>(panel[k * kPanel + j]);
     std::memcpy(out + i * out_features, row, n_count * sizeof(float));
   }
 #endif
 }
 
-template <int MR, bool kPrefetch>
-inline void panel_rows(const float* x, int64_t in_features, const float* panel, float* out,
-                       int64_t out_features, int64_t n_count, int64_t rows, const float* next, int64_t tile,
+template <int MR, bool kPrefetch, typename W>
+inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
+                       int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
                        int64_t num_tiles) {
   if constexpr (MR > 0) {
     if (rows == MR)
@@ -80,28 +100,17 @@ inline void panel_rows(const float* x, int64_t in_features, const float* panel, 
   }
 }
 
-// x [M, K], packed [P, K, kPanel] (pack_panels in worker/model/layers.py) -> out [M, N].
-void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
-  TORCH_CHECK(x.dtype() == at::kFloat && packed.dtype() == at::kFloat, "float32 only");
-  x = x.contiguous();
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
-              packed.is_contiguous(), "packed must be a contiguous [P, K, 16] tensor matching x [M, K]");
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
-  TORCH_CHECK(out.is_contiguous() && out.dtype() == at::kFloat && out.size(0) == rows &&
-              (out_features + kPanel - 1) / kPanel == packed.size(0),
-              "out must be a contiguous float32 [M, N] tensor with ceil(N / 16) panels");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 32 == 0, "packed must be 32-byte aligned");
-  const float* x_ptr = x.data_ptr<float>();
-  const float* p_ptr = packed.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
+template <typename W>
+void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
+                   int64_t out_features, int64_t num_panels) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
   const bool prefetch = rows <= kPrefetchMaxRows;
-  at::parallel_for(0, packed.size(0), grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const float* panel = p_ptr + p * in_features * kPanel;
+      const W* panel = p_ptr + p * in_features * kPanel;
       const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
-      const float* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
+      const W* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
       // Row tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
       // independent FMA chains to hide the FMA latency.
       const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
@@ -111,13 +120,34 @@ void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
           panel_rows<kPanelRows, true>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features + n0,
                                        out_features, n_count, tile_rows, next, t, tiles);
         else
-          panel_rows<kPanelRows, false>(x_ptr + m0 * in_features, in_features, panel,
-                                        out_ptr + m0 * out_features + n0, out_features, n_count, tile_rows, nullptr,
-                                        t, tiles);
+          panel_rows<kPanelRows, false, W>(x_ptr + m0 * in_features, in_features, panel,
+                                           out_ptr + m0 * out_features + n0, out_features, n_count, tile_rows,
+                                           nullptr, t, tiles);
         m0 += tile_rows;
       }
     }
   });
+}
+
+// x [M, K] float32, packed [P, K, kPanel] float32 or bfloat16 (pack_panels in
+// worker/model/layers.py) -> out [M, N] float32.
+void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
+  TORCH_CHECK(x.dtype() == at::kFloat, "x: float32");
+  TORCH_CHECK(packed.dtype() == at::kFloat || packed.dtype() == at::kBFloat16, "packed: float32 or bfloat16 panels");
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
+              packed.is_contiguous(), "packed must be a contiguous [P, K, 16] tensor matching x [M, K]");
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.dtype() == at::kFloat && out.size(0) == rows &&
+              (out_features + kPanel - 1) / kPanel == packed.size(0),
+              "out must be a contiguous float32 [M, N] tensor with ceil(N / 16) panels");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 32 == 0, "packed must be 32-byte aligned");
+  if (packed.dtype() == at::kFloat)
+    linear_panels(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), rows, in_features,
+                  out_features, packed.size(0));
+  else
+    linear_panels(x.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), out.data_ptr<float>(), rows, in_features,
+                  out_features, packed.size(0));
 }
 
 // Weight-only quantized small-batch linear: register tiles of kTileM rows of x by kTileN weight

@@ -35,6 +35,11 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
 }
 
+// 8 bfloat16 (the upper halves of float32s) -> 8 float32, exactly.
+inline __m256 widen_bf16(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // Lane i of the result = the sum of all lanes of v[i]: eight dot products finished at once.
 inline __m256 sums_of_eight(const __m256 v[8]) {
   // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | the same for the upper halves], so two rounds
