@@ -1,8 +1,9 @@
 """`python -m bench.vs_llama_cpp [--model bench-small|tinyllama-shape] [--rounds 2] [--quick]`: our
 engine against llama.cpp on the same random weights, side by side in one run.
 
-For each weight format (our float32, bfloat16, INT8 and INT4, the output head quantized too,
-against llama.cpp's f32, bf16, q8_0 and q4_0 of the same checkpoint): the single-stream decode rate (ours:
+For each weight format (our float32, bfloat16, INT8 and INT4, the output head quantized too, the
+quantized ones also with int8 activations, against llama.cpp's f32, bf16, q8_0 and q4_0 of the
+same checkpoint): the single-stream decode rate (ours:
 (t(n+1) - t(1)) / n; theirs: `llama-bench` tg<n>) and the batched generation rate (N sequences of
 P prompt + G new tokens; theirs: `llama-batched-bench`), each format's runs alternating ours and
 theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds.
@@ -33,6 +34,11 @@ FORMATS = [
     ("bfloat16", {"dtype": "bfloat16"}, "bf16"),  # the float32 weights rounded to bf16 on both sides
     ("int8", {"quantization": "mixed", "quantization_rule": "*:int8,head:int8"}, "q8_0"),
     ("int4", {"quantization": "mixed", "quantization_rule": "*:int4,head:int4"}, "q4_0"),
+    # Activations rounded to int8 per 32-block as well: the arithmetic of llama.cpp's q8_0 / q4_0.
+    ("int8 + int8 activations", {"quantization": "mixed", "quantization_rule": "*:int8,head:int8",
+                                 "quantization_activations": "int8"}, "q8_0"),
+    ("int4 + int8 activations", {"quantization": "mixed", "quantization_rule": "*:int4,head:int4",
+                                 "quantization_activations": "int8"}, "q4_0"),
 ]
 # Per model: decode tokens, (sequences, prompt length, new tokens) of the batched run.
 SETTINGS = {

@@ -27,6 +27,7 @@ from worker.model.calibration import Calibration, CalibrationSettings
 from worker.model.config import ModelConfig
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 from worker.model.placement import WeightPlacement, attach_placement, plan_weights
+from worker.model.quantization import use_int8_activations
 from worker.model.quantize_model import QuantizationReport, quantize_model
 from worker.model.quantized_checkpoint import quantization_config
 from worker.model.transformer import Transformer
@@ -98,6 +99,8 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
     started = time.perf_counter()
     attach_placement(model, target.plan)
     load_seconds += time.perf_counter() - started
+    if config.quantization_activations == "int8":
+        _use_int8_activations(target, model)
     # Chosen once, over the final weights and after calibration (whose hooks need the modules);
     # the float Linears it packs then hold only its panels.
     fast_path, reason = choose_fast_path(model, ATTENTION[config.attention])
@@ -109,6 +112,18 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
     log.info("engine ready: %s on %s, %d KV blocks of %d tokens", target.model_dir, target.device,
              parts.block_manager.num_blocks, config.block_size)
     return make_engine(parts)
+
+
+def _use_int8_activations(target: _Target, model: Transformer) -> None:
+    if target.device.type != "cpu":
+        raise ValueError(f"quantization_activations 'int8' runs on our CPU kernels; the device is {target.device}")
+    switched, quantized = use_int8_activations(model)
+    if not quantized:
+        raise ValueError("quantization_activations 'int8' needs quantized layers: set quantization, or serve a "
+                         "quantized checkpoint")
+    log.info("int8 activations on %d of %d quantized layers%s", switched, quantized,
+             "" if switched == quantized else " (the others: no CPU kernels, or K or the group size not whole "
+             "blocks of 32)")
 
 
 def _check_target(model_dir: Path, config: EngineConfig) -> _Target:

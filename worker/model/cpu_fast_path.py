@@ -171,6 +171,10 @@ class CpuFastPath:
         # Every layer in one call needs every projection packed or quantized with our kernel as
         # its path; a quantized layer may take it for small steps only, its plan having measured
         # torch's kernels faster on large ones.
+        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        # One flag for the call: every quantized layer that can take int8 activations has them
+        # (use_int8_activations), and the call applies the same test to each projection.
+        self.int8_activations = any(m.int8_activations for m in quantized)
         self.one_call_tensors = self._all_layers(one_call, SMALL_ROWS)  # steps of up to SMALL_ROWS tokens
         self.one_call_tensors_large = self._all_layers(one_call, SMALL_ROWS + 1)  # larger ones
         self.prefill_kernel = bool(kernels.prefill_attention_supported(config.head_dim))
@@ -185,6 +189,8 @@ class CpuFastPath:
     def describe(self) -> str:
         if self.one_call_tensors_large is not None:
             route = "every decoder layer in one call"
+            if self.int8_activations:
+                route += " (int8 activations)"
         elif self.one_call_tensors is not None:
             route = (f"every decoder layer in one call for steps of up to {SMALL_ROWS} tokens, layer by layer "
                      f"beyond (quantized projections through their modules)")
@@ -206,7 +212,7 @@ class CpuFastPath:
                 x, one_call, cos, sin, meta.slot_mapping, [k for k, _ in kv_caches],
                 [v for _, v in kv_caches], meta.block_tables, meta.seq_lens, meta.prefill_query_starts,
                 meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-                self.scale, self.eps)
+                self.scale, self.eps, self.int8_activations)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 x = self._layer(layer, x, cos, sin, k_cache, v_cache, meta)

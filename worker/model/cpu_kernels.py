@@ -23,7 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 _SOURCE_DIR = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "linear.cpp", "pointwise.cpp",
-            "rotary.cpp", "decoder_layers.cpp")
+            "rotary.cpp", "decoder_layers.cpp", "linear_int8_activations.cpp")
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
 TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
 

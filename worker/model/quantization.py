@@ -6,7 +6,8 @@ Pure tensor code. The stored formats are our own and device independent:
   per-group `scales` and `zeros` [N, K/G]: w ~ q * scale + zero, q in 0..15 (asymmetric),
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
-float in registers, CPU only), "kernel" (torch's packed matmuls) or "dequant" (rebuild the float
+float in registers, CPU only; or, opted in by `use_int8_activations`, quantize the activations
+per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or "dequant" (rebuild the float
 weight into a reused buffer, then the float matmul). A `QuantizationPlan`, one per model, gives
 decode-sized steps our kernel wherever it runs (else the faster of the others), times the paths
 on each kind of layer's own shape and device for prefill-sized steps, and owns the buffer the
@@ -151,6 +152,7 @@ class QuantizedLinear(nn.Module):
         self._int4_operands: tuple[torch.device, tuple] | None = None  # (built for, operands)
         self.path = path  # for steps of more than SMALL_ROWS rows
         self.small_path = path  # for up to SMALL_ROWS rows
+        self.int8_activations = False  # set by `use_int8_activations`
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
@@ -205,11 +207,22 @@ class QuantizedLinear(nn.Module):
         kernels = cpu_kernels.load()
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        if self.bits == 8:
+        if self.bits == 8 and self.int8_activations:
+            kernels.linear_int8_weights_int8_activations(x, self.qweight, self.scales, out)
+        elif self.bits == 8:
             kernels.linear_small_batch_int8(x, self.qweight, self.scales, out)
+        elif self.int8_activations:
+            kernels.linear_int4_weights_int8_activations(x, self.qweight, self.scales, self.zeros, self.group_size, out)
         else:
             kernels.linear_small_batch_int4(x, self.qweight, self.scales, self.zeros, self.group_size, out)
         return out
+
+    def takes_int8_activations(self) -> bool:
+        """Whether our integer kernels can run this layer: ours available, and K and the group
+        size whole blocks of 32."""
+        kernels = cpu_kernels.load()
+        return (self.path_available("ours", self.qweight.device) and kernels is not None
+                and kernels.int8_activations_supported(self.in_features, self.group_size or self.in_features))
 
     def path_available(self, path: str, device: torch.device) -> bool:
         if path == "dequant":
@@ -271,6 +284,20 @@ def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
         timings[path] = elapsed / count
     setattr(layer, attribute, min(timings, key=timings.get) if timings else "dequant")
     return getattr(layer, attribute)
+
+
+def use_int8_activations(model: nn.Module) -> tuple[int, int]:
+    """Quantize the activations of every quantized layer that can take it (`takes_int8_activations`)
+    per 32-block to int8, and run it through our integer kernels at every step size: a token's
+    result then never depends on the step it ran in (decode, prompt chunk, recompute after
+    preemption). (layers switched, quantized layers in all)."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    switched = 0
+    for layer in layers:
+        if layer.takes_int8_activations():
+            layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
+            switched += 1
+    return switched, len(layers)
 
 
 PATH_TIMING_REPEATS = 3  # timed runs per path and row count when a plan measures a layer

@@ -21,4 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every decoder layer of a step (norms, projections, rotary + KV write, paged attention, gated MLP) in one "
         "call; overwrites x and returns the residual stream before the final norm (CPU, float32)");
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
+  m.def("int8_activations_supported", &int8_activations_supported,
+        "whether a layer of this in_features and group size takes the int8-activation kernels");
+  m.def("linear_int8_weights_int8_activations", &linear_int8_weights_int8_activations,
+        "out = x @ dequant(int8 weight).T with x quantized per 32-block to int8, integer block dots");
+  m.def("linear_int4_weights_int8_activations", &linear_int4_weights_int8_activations,
+        "out = x @ dequant(int4 weight).T with x quantized per 32-block to int8, integer block dots");
 }

@@ -1,6 +1,7 @@
 // Linear kernels: the packed-panel float32 linear of every float projection on the CPU fast
 // path, and the weight-only INT8 / INT4 small-batch linears that widen their weights in registers.
 #include "kernels.h"
+#include "output_tiles.h"
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
@@ -228,33 +229,26 @@ template <typename LoadWeights, typename LoadVector, typename Finish>
 void quantized_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
                      int64_t group_size, float* out_ptr, LoadWeights load_weights, LoadVector load_vector,
                      Finish finish) {
-  at::parallel_for(0, (out_features + kTileN - 1) / kTileN, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n0 = tile * kTileN, n_count = std::min(kTileN, out_features - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += kTileM) {
-        const int64_t m_count = std::min(kTileM, rows - m0);
-        float total[kTileM][kTileN] = {};
+  for_each_output_tile<kTileM, kTileN>(rows, out_features, out_ptr, [&](int64_t, int64_t, int64_t m0, int64_t m_count,
+                                                                     int64_t n0, int64_t n_count,
+                                                                     float total[kTileM][kTileN]) {
 #ifdef HAVE_AVX2_FMA
-        if (n_count == kTileN) {
-          static_assert(kTileM == 3, "one case per row count below");
-          if (m_count == 3)
-            quantized_tile_avx2<3>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
-          else if (m_count == 2)
-            quantized_tile_avx2<2>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
-          else
-            quantized_tile_avx2<1>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
-        } else
-#else
-        if (m_count == kTileM && n_count == kTileN)
-          quantized_tile<true>(x_ptr, in_features, group_size, m0, m_count, n0, n_count, total, load_weights, finish);
-        else
-#endif
-          quantized_tile<false>(x_ptr, in_features, group_size, m0, m_count, n0, n_count, total, load_weights,
-                                finish);
-        for (int64_t i = 0; i < m_count; ++i)
-          for (int64_t j = 0; j < n_count; ++j) out_ptr[(m0 + i) * out_features + n0 + j] = total[i][j];
-      }
+    if (n_count == kTileN) {
+      static_assert(kTileM == 3, "one case per row count below");
+      if (m_count == 3)
+        quantized_tile_avx2<3>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
+      else if (m_count == 2)
+        quantized_tile_avx2<2>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
+      else
+        quantized_tile_avx2<1>(x_ptr, in_features, group_size, m0, n0, total, load_vector, finish);
+      return;
     }
+#else
+    if (m_count == kTileM && n_count == kTileN)
+      return quantized_tile<true>(x_ptr, in_features, group_size, m0, m_count, n0, n_count, total, load_weights,
+                                  finish);
+#endif
+    quantized_tile<false>(x_ptr, in_features, group_size, m0, m_count, n0, n_count, total, load_weights, finish);
   });
 }
 

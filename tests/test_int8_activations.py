@@ -1,0 +1,134 @@
+"""Int8 activations (`quantization_activations = "int8"`): the quantized layers quantize their input
+per 32-block and take integer dot products. The kernels against a torch statement of the same
+arithmetic, the engine's routes against each other, and the setting's refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_checkpoint
+from paged_steps import random_paged_step
+from shared.engine_config import ConfigError, EngineConfig
+from shared.quantization_rule import QuantizationRule
+from shared.sampling_params import SamplingParams
+from worker.model import cpu_kernels
+from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
+from worker.model.quantization import QuantizedLinear, dequantize, quantize, use_int8_activations
+from worker.model.quantize_model import quantize_model
+from worker.model.weights import load_model
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: per 32-block, the largest |x| maps to 127, rounded half to even."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).view_as(x)
+
+
+def _reference(x: torch.Tensor, qw) -> torch.Tensor:
+    """In float64: the int8-rounded x against the dequantized weight."""
+    return _quantized_activations(x).double() @ dequantize(qw).double().t()
+
+
+@pytest.mark.parametrize("bits, in_features, group_size", [
+    (8, 256, 0), (8, 96, 0),  # whole 64-wide steps; an odd number of blocks
+    (4, 256, 128), (4, 96, 32), (4, 192, 96),  # groups of 2, 1 and 3 blocks
+])
+def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_size):
+    kernels = cpu_kernels.load()
+    g = torch.Generator().manual_seed(bits * 1000 + in_features)
+    weight = torch.randn(37, in_features, generator=g)  # a ragged last tile of weight rows
+    qw = quantize(weight, bits, group_size=group_size or 128)
+    for rows in (1, 2, 3, 4, 7):
+        x = torch.randn(rows, in_features, generator=g)
+        x[0, :32] = 0.0  # an all-zero block has scale 0
+        out = torch.empty(rows, 37)
+        if bits == 8:
+            kernels.linear_int8_weights_int8_activations(x, qw.qweight, qw.scales, out)
+        else:
+            kernels.linear_int4_weights_int8_activations(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, out)
+        want = _reference(x, qw)
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+        # And close to the weight-only product: the rounding of x is at most 1/254 of its block's range.
+        exact = x.double() @ dequantize(qw).double().t()
+        assert (out.double() - exact).norm() < 0.02 * exact.norm(), rows
+
+
+def test_layers_whose_shape_takes_no_int8_blocks_keep_float_activations():
+    kernels = cpu_kernels.load()
+    assert kernels.int8_activations_supported(96, 96) and not kernels.int8_activations_supported(72, 72)
+    model = torch.nn.Sequential()
+    model.add_module("wide", QuantizedLinear(quantize(torch.randn(16, 64), 8)))
+    model.add_module("odd", QuantizedLinear(quantize(torch.randn(16, 72), 8)))
+    assert use_int8_activations(model) == (1, 2)
+    assert model.wide.int8_activations and (model.wide.small_path, model.wide.path) == ("ours", "ours")
+    assert not model.odd.int8_activations
+
+
+def _int8_activation_model(folder, rule: str):
+    model = load_model(folder)
+    quantize_model(model, QuantizationRule.parse(rule), measure_paths=False)
+    assert use_int8_activations(model)[0] > 0
+    return model
+
+
+@pytest.mark.parametrize("rule", ["*:int8", "*:int4", "attention:int8,mlp:int4"])
+def test_the_one_call_computes_what_the_layers_compute_at_every_step_size(tmp_path, rule):
+    folder = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                             num_attention_heads=4, num_key_value_heads=2)
+    model = _int8_activation_model(folder, rule)
+    fast, reason = choose_fast_path(model, release_float_weights=False)
+    assert fast.one_call_tensors_large is not None and "int8 activations" in reason
+    by_layers = CpuFastPath(model, cpu_kernels.load(), release_float_weights=False, one_call=False)
+    cfg = model.config
+    for query_lens, context_lens in (([1, 1, 1], [40, 17, 3]), ([1, 40], [3, 0]), ([70], [5])):
+        g = torch.Generator().manual_seed(len(query_lens))
+        step = random_paged_step(query_lens, context_lens, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                 generator=g, num_layers=cfg.num_layers)
+        ids = torch.randint(3, cfg.vocab_size, (sum(query_lens),), generator=g)
+        results = []
+        for computes in (fast, by_layers, model):
+            kv = [(k.clone(), v.clone()) for k, v in step.kv_caches]
+            with torch.inference_mode():
+                hidden = computes.forward(ids, step.positions, kv, step.meta)
+                results.append((hidden, computes.compute_logits(hidden)))
+        for got, want in zip(results[0], results[1]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # The modules run the same projections with torch's norms and rotary, whose last bits may
+        # move an input across a step of its int8 grid (1/254 of its block's range), and a moved
+        # input moves the next layer's: close (a wrong route is off by O(1)), not equal.
+        for got, want in zip(results[0], results[2]):
+            torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+
+
+def test_an_engine_with_int8_activations_gives_each_request_the_tokens_it_gets_alone(tmp_path):
+    """Every step size runs the same per-token arithmetic, so batching, chunking and the prefix
+    cache never change a token."""
+    from worker.engine import Engine
+    folder = make_checkpoint(tmp_path / "llama", "llama", hidden_size=128, intermediate_size=256)
+    engine = Engine.from_model_dir(folder, device="cpu", quantization="int8", quantization_activations="int8",
+                                   quantization_calibration="none", num_kv_blocks=64, max_prefill_chunk_tokens=16)
+    assert "int8 activations" in engine.runner.fast_path.describe()
+    prompts = [list(range(3, 60)), [9] * 12, [40, 41, 42]]
+    together = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
+    alone = []
+    for prompt in prompts:
+        engine.evict_prefix_cache()
+        alone.append(engine.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids)
+    assert together == alone
+    engine.runner.fast_path = None  # the modules: the same kernels per layer
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)] == together
+
+
+def test_the_setting_is_refused_where_it_cannot_apply(tmp_path):
+    from worker.engine import Engine
+    with pytest.raises(ConfigError, match="quantization_activations"):
+        EngineConfig(quantization_activations="int4")
+    folder = make_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="needs quantized layers"):
+        Engine.from_model_dir(folder, device="cpu", quantization_activations="int8", num_kv_blocks=16)

@@ -1,0 +1,424 @@
+// Quantized linears with int8 activations (the opt-in `quantization_activations = "int8"`): x is
+// quantized per block of 32 input features (symmetric, the block's largest |x| maps to 127, as
+// llama.cpp's q8_0 activations), and each block's dot product with the weight is an integer one,
+// four 8-bit products per 32-bit lane in one instruction where the CPU has VNNI (AVX-512 VNNI or
+// AVX-VNNI; AVX2's maddubs + madd pair otherwise), then scaled by the block's activation scale in
+// float32. The weights are the weight-only formats of linear.cpp, read in place:
+//   int8 [N, K] in -127..127 (quantize_int8's range: the sign trick below cannot negate -128),
+//        per-row scales: y = scale[n] * sum_b xs[b] * (xq_b . q[n]_b);
+//   int4 [N, K/2] unsigned nibbles with per-group scales and zeros (group size a multiple of 32):
+//        y = sum_g scale[n, g] * sum_{b in g} xs[b] * (xq_b . q[n]_b) + zero[n, g] * sum(xs xq_g),
+//        so either way y is the rounded x against the dequantized weight.
+// The unsigned operand of the u8 x s8 product is the weight's nibble against xq (int4); for int8
+// it is |xq| against the weight carrying xq's sign (AVX2), or xq + 128 against the weight with
+// 128 x (the weight's block sum) subtracted in the accumulator it starts from (AVX-512, which
+// has no byte sign instruction; the correction is one product per weight row, shared by every
+// row of x). With AVX-512 two blocks go through one 512-bit register, each lane scaled by its
+// own block's activation scale; a group's sum is scaled by the weight's group scale in vector
+// form and reduced once per output.
+#include "kernels.h"
+#include "output_tiles.h"
+#include "vector_math.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // input features per activation scale
+constexpr int64_t kRows = 3;    // rows of x per register tile
+constexpr int64_t kCols = 4;    // weight rows per register tile
+
+// x [M, K] quantized: q in -127..127 per element, |q| for the int8 weights' sign trick, and one
+// scale per block of 32 (xs = max|x| / 127; x ~ q * xs).
+struct QuantizedActivations {
+  std::vector<int8_t> q;
+  std::vector<uint8_t> magnitude;
+  std::vector<float> scales;
+  int64_t blocks_per_row = 0;
+};
+
+inline void quantize_block(const float* x, int8_t* q, float* scale) {
+#ifdef HAVE_AVX2_FMA
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 values[4], largest = _mm256_setzero_ps();
+  for (int v = 0; v < 4; ++v) {
+    values[v] = _mm256_loadu_ps(x + 8 * v);
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, values[v]));
+  }
+  const float amax = horizontal_max(largest);
+#else
+  float amax = 0.f;
+  for (int64_t l = 0; l < kBlock; ++l) amax = std::max(amax, std::fabs(x[l]));
+#endif
+  const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+#ifdef HAVE_AVX2_FMA
+  const __m256 factor = _mm256_set1_ps(inverse);
+  __m256i lanes[4];
+  for (int v = 0; v < 4; ++v)  // rounds half to even (the default MXCSR mode), as torch.round
+    lanes[v] = _mm256_cvtps_epi32(_mm256_mul_ps(values[v], factor));
+  // packs interleave the 128-bit halves; the permutation puts the 32 bytes back in order.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(lanes[0], lanes[1]), _mm256_packs_epi32(lanes[2], lanes[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  for (int64_t l = 0; l < kBlock; ++l) q[l] = static_cast<int8_t>(std::nearbyint(x[l] * inverse));
+#endif
+}
+
+QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t in_features, bool magnitudes) {
+  QuantizedActivations a;
+  a.blocks_per_row = in_features / kBlock;
+  a.q.resize(rows * in_features);
+  a.scales.resize(rows * a.blocks_per_row);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t b = 0; b < a.blocks_per_row; ++b)
+      quantize_block(x + m * in_features + b * kBlock, a.q.data() + m * in_features + b * kBlock,
+                     a.scales.data() + m * a.blocks_per_row + b);
+  if (magnitudes) {
+    a.magnitude.resize(a.q.size());
+    for (size_t i = 0; i < a.q.size(); ++i) a.magnitude[i] = static_cast<uint8_t>(std::abs(a.q[i]));
+  }
+  return a;
+}
+
+#ifdef HAVE_AVX2_FMA
+// 8 int32 lanes, each the sum of 4 products of unsigned u and signed s bytes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // Pairs in int16 cannot saturate: |u| <= 127 against |s| <= 127, or u <= 15.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// 16 bytes of nibbles (element 2j low, 2j+1 high) -> the 32 elements as bytes, in order.
+inline __m256i unpack_int4(const uint8_t* bytes) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  return _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
+}
+
+// One tile of R rows of x by C weight rows; per group, a float accumulator per (row, weight row).
+template <int64_t R, int64_t C, bool kInt8, typename Finish>
+inline void tile_avx2(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
+                      int64_t in_features, int64_t group_size, int64_t m0, int64_t n0, float total[kRows][kCols],
+                      Finish& finish) {
+  for (int64_t g = 0; g < in_features / group_size; ++g) {
+    __m256 acc[R][C];
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kBlock) {
+      const int64_t b = k / kBlock;
+      for (int64_t j = 0; j < C; ++j) {
+        const uint8_t* row = weights + (n0 + j) * weight_row_bytes;
+        __m256i w;
+        if constexpr (kInt8)
+          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+        else
+          w = unpack_int4(row + k / 2);
+        for (int64_t i = 0; i < R; ++i) {
+          const int64_t at = (m0 + i) * in_features + k;
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at));
+          __m256i products;
+          if constexpr (kInt8)
+            products = dot_u8s8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.magnitude.data() + at)),
+                                _mm256_sign_epi8(w, xq));
+          else
+            products = dot_u8s8(w, xq);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products),
+                                      _mm256_set1_ps(a.scales[(m0 + i) * a.blocks_per_row + b]), acc[i][j]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < C; ++j) total[i][j] += finish(m0 + i, n0 + j, g, horizontal_sum(acc[i][j]));
+  }
+}
+
+template <int64_t R, bool kInt8, typename Finish>
+inline void tile_columns(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
+                         int64_t in_features, int64_t group_size, int64_t m0, int64_t n0, int64_t n_count,
+                         float total[kRows][kCols], Finish& finish) {
+  static_assert(kCols == 4, "one case per column count below");
+  switch (n_count) {
+    case 4: return tile_avx2<R, 4, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
+    case 3: return tile_avx2<R, 3, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
+    case 2: return tile_avx2<R, 2, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
+    default: return tile_avx2<R, 1, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_AVX512_VNNI 1
+constexpr int64_t kSlot = 2 * kBlock;  // input features per 512-bit step: two blocks
+constexpr int64_t kPrefetchTiles = 2;  // how far ahead (in tiles of kCols weight rows) rows are prefetched
+
+// x [M, K] for the 512-bit tiles: per row, per group, ceil(G / 64) slots of 64 bytes, each two
+// blocks (a group's odd last block padded with zeros) laid out as the weight's register holds
+// them, with 16 lane scales per slot (the lanes of the int32 products each block's sums land in).
+struct SlottedActivations {
+  std::vector<uint8_t> bytes;  // int8 weights: xq + 128, in order; int4: xq, [evens b, evens b+1, odds b, odds b+1]
+  std::vector<float> lane_scales;
+  int64_t slots_per_group = 0, slots_per_row = 0;
+};
+
+SlottedActivations slot_activations(const QuantizedActivations& a, int64_t rows, int64_t in_features,
+                                    int64_t group_size, bool int8_weights) {
+  SlottedActivations s;
+  s.slots_per_group = (group_size + kSlot - 1) / kSlot;
+  s.slots_per_row = s.slots_per_group * (in_features / group_size);
+  s.bytes.assign(rows * s.slots_per_row * kSlot, int8_weights ? 128 : 0);  // 128: xq 0
+  s.lane_scales.assign(rows * s.slots_per_row * 16, 0.f);
+  const int64_t blocks_per_group = group_size / kBlock;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < in_features / group_size; ++g)
+      for (int64_t local = 0; local < blocks_per_group; ++local) {
+        const int64_t b = g * blocks_per_group + local, half = local % 2;
+        const int64_t slot = m * s.slots_per_row + g * s.slots_per_group + local / 2;
+        const int8_t* q = a.q.data() + m * in_features + b * kBlock;
+        uint8_t* out = s.bytes.data() + slot * kSlot;
+        float* scales = s.lane_scales.data() + slot * 16;
+        const float scale = a.scales[m * a.blocks_per_row + b];
+        if (int8_weights) {
+          for (int64_t l = 0; l < kBlock; ++l) out[half * kBlock + l] = static_cast<uint8_t>(q[l] + 128);
+          for (int l = 0; l < 8; ++l) scales[half * 8 + l] = scale;
+        } else {
+          for (int64_t l = 0; l < kBlock / 2; ++l) {
+            out[half * 16 + l] = static_cast<uint8_t>(q[2 * l]);
+            out[32 + half * 16 + l] = static_cast<uint8_t>(q[2 * l + 1]);
+          }
+          for (int l = 0; l < 4; ++l) scales[half * 4 + l] = scales[8 + half * 4 + l] = scale;
+        }
+      }
+  return s;
+}
+
+// R rows of x by C weight rows, every group of K: out (through `total`) before the int4 zero term.
+// `ahead`: the weight rows of a tile this thread takes later, prefetched a slot at a time as
+// these are read, so they stream in from memory during this tile's compute (or nullptr).
+template <int64_t R, int64_t C, bool kInt8>
+inline void tile_avx512(const SlottedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
+                        const float* weight_scales, int64_t in_features, int64_t group_size, int64_t m0, int64_t n0,
+                        const uint8_t* ahead, float total[kRows][kCols]) {
+  const int64_t num_groups = in_features / group_size;
+  __m512 sum[R][C];
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < C; ++j) sum[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 acc[R][C];
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t local = 0; local < a.slots_per_group; ++local) {
+      const int64_t k = g * group_size + local * kSlot;
+      const bool whole = k + kSlot <= (g + 1) * group_size;
+      const int64_t slot = g * a.slots_per_group + local;
+      __m512i w[C], start[C];
+      if (ahead != nullptr)
+        for (int64_t j = 0; j < kCols; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * weight_row_bytes + (kInt8 ? k : k / 2)), _MM_HINT_T0);
+      for (int64_t j = 0; j < C; ++j) {
+        const uint8_t* row = weights + (n0 + j) * weight_row_bytes;
+        if constexpr (kInt8) {
+          w[j] = _mm512_maskz_loadu_epi8(whole ? ~__mmask64{0} : __mmask64{0xFFFFFFFF}, row + k);
+          // -128 x the sums of 4 weights per lane: what xq + 128 adds.
+          start[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), w[j]));
+        } else {
+          const __m256i packed = _mm256_maskz_loadu_epi8(whole ? ~__mmask32{0} : __mmask32{0xFFFF}, row + k / 2);
+          const __m256i mask = _mm256_set1_epi8(0x0F);
+          w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
+                                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
+          start[j] = _mm512_setzero_si512();
+        }
+      }
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t at = (m0 + i) * a.slots_per_row + slot;
+        const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
+        const __m512 scales = _mm512_loadu_ps(a.lane_scales.data() + at * 16);
+        for (int64_t j = 0; j < C; ++j) {
+          const __m512i products = kInt8 ? _mm512_dpbusd_epi32(start[j], x, w[j]) : _mm512_dpbusd_epi32(start[j], w[j], x);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc[i][j]);
+        }
+      }
+    }
+    for (int64_t j = 0; j < C; ++j) {
+      const __m512 scale = _mm512_set1_ps(weight_scales[(n0 + j) * num_groups + g]);
+      for (int64_t i = 0; i < R; ++i) sum[i][j] = _mm512_fmadd_ps(acc[i][j], scale, sum[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < C; ++j) total[i][j] = _mm512_reduce_add_ps(sum[i][j]);
+}
+
+template <int64_t R, bool kInt8>
+inline void tile_avx512_columns(const SlottedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
+                                const float* weight_scales, int64_t in_features, int64_t group_size, int64_t m0,
+                                int64_t n0, int64_t n_count, const uint8_t* ahead, float total[kRows][kCols]) {
+  static_assert(kCols == 4, "one case per column count below");
+  switch (n_count) {
+    case 4: return tile_avx512<R, 4, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
+    case 3: return tile_avx512<R, 3, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
+    case 2: return tile_avx512<R, 2, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
+    default: return tile_avx512<R, 1, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
+  }
+}
+
+// `finish_zero(m, n)`: the int4 zero-point term (0 for int8).
+template <bool kInt8, typename FinishZero>
+void int8_activation_tiles_avx512(const QuantizedActivations& q, const uint8_t* weights, int64_t weight_row_bytes,
+                                  const float* weight_scales, int64_t rows, int64_t in_features, int64_t out_features,
+                                  int64_t group_size, float* out_ptr, FinishZero finish_zero) {
+  const SlottedActivations a = slot_activations(q, rows, in_features, group_size, kInt8);
+  for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
+                                                                     int64_t m_count, int64_t n0, int64_t n_count,
+                                                                     float total[kRows][kCols]) {
+    // Prefetched once, by the first row tile: later ones find the rows in cache.
+    const int64_t ahead_tile = column_tile + kPrefetchTiles;
+    const uint8_t* ahead = m0 == 0 && ahead_tile + 1 < end ? weights + ahead_tile * kCols * weight_row_bytes : nullptr;
+    static_assert(kRows == 3, "one case per row count below");
+    if (m_count == 3)
+      tile_avx512_columns<3, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0,
+                                    n_count, ahead, total);
+    else if (m_count == 2)
+      tile_avx512_columns<2, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0,
+                                    n_count, ahead, total);
+    else
+      tile_avx512_columns<1, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0,
+                                    n_count, ahead, total);
+    for (int64_t i = 0; i < m_count; ++i)
+      for (int64_t j = 0; j < n_count; ++j) total[i][j] += finish_zero(m0 + i, n0 + j);
+  });
+}
+#endif
+
+// The portable tile: the same integer block dots, scaled and summed in float per group.
+template <bool kInt8, typename Finish>
+inline void tile_portable(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
+                          int64_t in_features, int64_t group_size, int64_t m0, int64_t m_count, int64_t n0,
+                          int64_t n_count, float total[kRows][kCols], Finish& finish) {
+  for (int64_t g = 0; g < in_features / group_size; ++g)
+    for (int64_t i = 0; i < m_count; ++i)
+      for (int64_t j = 0; j < n_count; ++j) {
+        const uint8_t* row = weights + (n0 + j) * weight_row_bytes;
+        float sum = 0.f;
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kBlock) {
+          int32_t dot = 0;
+          for (int64_t l = k; l < k + kBlock; ++l) {
+            const int32_t w = kInt8 ? static_cast<int8_t>(row[l]) : ((row[l / 2] >> (4 * (l % 2))) & 0x0F);
+            dot += w * a.q[(m0 + i) * in_features + l];
+          }
+          sum += static_cast<float>(dot) * a.scales[(m0 + i) * a.blocks_per_row + k / kBlock];
+        }
+        total[i][j] += finish(m0 + i, n0 + j, g, sum);
+      }
+}
+
+template <bool kInt8, typename Finish>
+void int8_activation_tiles(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
+                           int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
+                           float* out_ptr, Finish finish) {
+  for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t, int64_t, int64_t m0, int64_t m_count,
+                                                                     int64_t n0, int64_t n_count,
+                                                                     float total[kRows][kCols]) {
+#ifdef HAVE_AVX2_FMA
+    static_assert(kRows == 3, "one case per row count below");
+    if (m_count == 3)
+      tile_columns<3, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, n_count, total, finish);
+    else if (m_count == 2)
+      tile_columns<2, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, n_count, total, finish);
+    else
+      tile_columns<1, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, n_count, total, finish);
+#else
+    tile_portable<kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, m_count, n0, n_count, total,
+                         finish);
+#endif
+  });
+}
+
+void check_args(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& out, int64_t out_features) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "in_features must be a multiple of 32 for int8 activations");
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous(), "scales: contiguous float32");
+  TORCH_CHECK(out.is_contiguous() && out.dtype() == at::kFloat && out.size(0) == x.size(0) &&
+              out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
+}
+
+}  // namespace
+
+bool int8_activations_supported(int64_t in_features, int64_t group_size) {
+  return in_features % kBlock == 0 && group_size % kBlock == 0;
+}
+
+// x [M, K] float32, qweight [N, K] int8 in -127..127, scales [N] float32 -> out [M, N].
+void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out) {
+  TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && qweight.size(1) == x.size(1),
+              "qweight: contiguous int8 [N, K]");
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = qweight.size(0);
+  check_args(x, scales, out, out_features);
+  const float* s = scales.data_ptr<float>();
+#ifdef HAVE_AVX512_VNNI
+  const QuantizedActivations q = quantize_activations(x.data_ptr<float>(), rows, in_features, false);
+  int8_activation_tiles_avx512<true>(q, reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), in_features, s,
+                                     rows, in_features, out_features, in_features, out.data_ptr<float>(),
+                                     [](int64_t, int64_t) { return 0.f; });
+  return;
+#endif
+  const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, in_features, true);
+  int8_activation_tiles<true>(a, reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), in_features, rows,
+                              in_features, out_features, in_features, out.data_ptr<float>(),
+                              [&](int64_t, int64_t n, int64_t, float dot) { return s[n] * dot; });
+}
+
+// x [M, K] float32, qweight [N, K/2] uint8 nibbles, scales and zeros [N, K/G] float32, G a
+// multiple of 32 -> out [M, N].
+void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
+                                          int64_t group_size, at::Tensor out) {
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = qweight.size(0);
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == in_features,
+              "qweight: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(group_size % kBlock == 0 && in_features % group_size == 0,
+              "the group size must be a multiple of 32 that tiles K for int8 activations");
+  TORCH_CHECK(zeros.dtype() == at::kFloat && zeros.is_contiguous(), "zeros: contiguous float32");
+  check_args(x, scales, out, out_features);
+  const float* x_ptr = x.data_ptr<float>();
+  const int64_t num_groups = in_features / group_size;
+  const QuantizedActivations a = quantize_activations(x_ptr, rows, in_features, false);
+  // sum(x_g) of the rounded x, for the zero-point term: the result is then the rounded x against
+  // the dequantized weight, whose error has no bias (an exact sum against the rounded dots would
+  // leave the rounding times the weights' offset from their zero point).
+  std::vector<float> x_sums(rows * num_groups, 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t b = 0; b < a.blocks_per_row; ++b) {
+      int32_t sum = 0;
+      for (int64_t l = 0; l < kBlock; ++l) sum += a.q[m * in_features + b * kBlock + l];
+      x_sums[m * num_groups + b * kBlock / group_size] += static_cast<float>(sum) * a.scales[m * a.blocks_per_row + b];
+    }
+  const float* s = scales.data_ptr<float>();
+  const float* z = zeros.data_ptr<float>();
+#ifdef HAVE_AVX512_VNNI
+  int8_activation_tiles_avx512<false>(a, qweight.data_ptr<uint8_t>(), in_features / 2, s, rows, in_features,
+                                      out_features, group_size, out.data_ptr<float>(), [&](int64_t m, int64_t n) {
+                                        float zero_term = 0.f;
+                                        for (int64_t g = 0; g < num_groups; ++g)
+                                          zero_term += z[n * num_groups + g] * x_sums[m * num_groups + g];
+                                        return zero_term;
+                                      });
+  return;
+#endif
+  int8_activation_tiles<false>(a, qweight.data_ptr<uint8_t>(), in_features / 2, rows, in_features, out_features,
+                               group_size, out.data_ptr<float>(), [&](int64_t m, int64_t n, int64_t g, float dot) {
+                                 return s[n * num_groups + g] * dot + z[n * num_groups + g] * x_sums[m * num_groups + g];
+                               });
+}
