@@ -31,7 +31,7 @@ from gateway.streams import RequestState
 from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
 from shared.config import ClusterConfig
-from shared.ipc import GatewaySocket, WireError, bind_gateway_socket
+from shared.ipc import GatewaySocket, WireError, bind_gateway_socket, decode
 from shared.wire import logprobs_from_wire, sampling_to_wire
 
 log = logging.getLogger(__name__)
@@ -119,52 +119,57 @@ class Dispatcher:
     # ---- worker -> gateway ---------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
-            try:
-                envelope = await self.socket.recv()
-            except WireError as e:
-                log.warning("dropping a frame: %s", e)
-                continue
+            frames = await self.socket.recv_frames()
             now = time.monotonic()
-            if not self._admits(envelope, now):
-                continue
-            worker = self.registry.get(envelope.worker_id)
-            incarnations = worker.num_incarnations
-            lost = self.registry.on_message(envelope, now)
-            if worker.num_incarnations > incarnations:
-                self.prefix_index.forget(worker.worker_id)  # a new process caches nothing yet
-                if incarnations > 0:
-                    self.metrics.worker_restarts.labels(worker.worker_id).inc()
-            if lost:
-                log.warning("%s restarted (incarnation %s); resuming %d requests", envelope.worker_id,
-                            envelope.incarnation, len(lost))
-                self._resume(lost, now)
-            kind = envelope.WhichOneof("body")
-            if kind == "outputs":
-                self._on_outputs(envelope.worker_id, envelope.outputs, now)
-            elif kind == "kv_events":
-                self.prefix_index.on_events(envelope.worker_id, envelope.kv_events)
-                self._ask_snapshot(envelope.worker_id, now)
-            elif kind == "heartbeat":
-                self.prefix_index.on_heartbeat(envelope.worker_id, envelope.heartbeat.kv_events_seq)
-                self._ask_snapshot(envelope.worker_id, now)
-                self.metrics.on_heartbeat(envelope.worker_id, envelope.incarnation, envelope.heartbeat)
-                self.metrics.prefix_index_blocks.labels(envelope.worker_id).set(
-                    self.prefix_index.num_blocks(envelope.worker_id))
-                self._wake.set()  # capacity may have changed
-                # Only this worker: a scan of every worker per heartbeat grows with the fleet's
-                # square (the monitor loop reaps the others within MONITOR_INTERVAL_S).
-                self.registry.note_heard(envelope.worker_id, now)
-            elif kind == "probe_reply":
-                future = self._probes.pop(envelope.probe_reply.probe_id, None)
-                if future is not None and not future.done():
-                    future.set_result(envelope.probe_reply)
-            elif kind == "exit":
-                log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
-                          envelope.exit.reason, len(worker.assigned))
-                lost = self.registry.mark_dead(envelope.worker_id)
-                self.prefix_index.forget(envelope.worker_id)
-                self._resume(lost, now)
-                self._check_liveness(now)
+            for frame in frames:
+                try:
+                    envelope = decode(frame)
+                except WireError as e:
+                    log.warning("dropping a frame: %s", e)
+                    continue
+                self._on_envelope(envelope, now)
+
+    def _on_envelope(self, envelope: worker_pb2.Envelope, now: float) -> None:
+        if not self._admits(envelope, now):
+            return
+        worker = self.registry.get(envelope.worker_id)
+        incarnations = worker.num_incarnations
+        lost = self.registry.on_message(envelope, now)
+        if worker.num_incarnations > incarnations:
+            self.prefix_index.forget(worker.worker_id)  # a new process caches nothing yet
+            if incarnations > 0:
+                self.metrics.worker_restarts.labels(worker.worker_id).inc()
+        if lost:
+            log.warning("%s restarted (incarnation %s); resuming %d requests", envelope.worker_id,
+                        envelope.incarnation, len(lost))
+            self._resume(lost, now)
+        kind = envelope.WhichOneof("body")
+        if kind == "outputs":
+            self._on_outputs(envelope.worker_id, envelope.outputs, now)
+        elif kind == "kv_events":
+            self.prefix_index.on_events(envelope.worker_id, envelope.kv_events)
+            self._ask_snapshot(envelope.worker_id, now)
+        elif kind == "heartbeat":
+            self.prefix_index.on_heartbeat(envelope.worker_id, envelope.heartbeat.kv_events_seq)
+            self._ask_snapshot(envelope.worker_id, now)
+            self.metrics.on_heartbeat(envelope.worker_id, envelope.incarnation, envelope.heartbeat)
+            self.metrics.prefix_index_blocks.labels(envelope.worker_id).set(
+                self.prefix_index.num_blocks(envelope.worker_id))
+            self._wake.set()  # capacity may have changed
+            # Only this worker: a scan of every worker per heartbeat grows with the fleet's
+            # square (the monitor loop reaps the others within MONITOR_INTERVAL_S).
+            self.registry.note_heard(envelope.worker_id, now)
+        elif kind == "probe_reply":
+            future = self._probes.pop(envelope.probe_reply.probe_id, None)
+            if future is not None and not future.done():
+                future.set_result(envelope.probe_reply)
+        elif kind == "exit":
+            log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
+                      envelope.exit.reason, len(worker.assigned))
+            lost = self.registry.mark_dead(envelope.worker_id)
+            self.prefix_index.forget(envelope.worker_id)
+            self._resume(lost, now)
+            self._check_liveness(now)
 
     def _admits(self, envelope: worker_pb2.Envelope, now: float) -> bool:
         """False for a frame of a worker serving another model; one just refused loses its work."""

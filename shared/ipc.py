@@ -43,6 +43,9 @@ _MAX_IPC_PATH = 100
 # A worker never blocks for long on a gateway that is gone: what it would have sent is moot,
 # and a blocked send would keep it from noticing SIGTERM.
 WORKER_SEND_TIMEOUT_MS = 1000
+# Most frames the gateway takes per wake of its loop: enough to amortise the wake over a fleet's
+# burst, few enough that the other tasks (dispatch, streams) get the loop back soon.
+RECV_BATCH_FRAMES = 64
 # A refused CURVE handshake is final for that connection in ZeroMQ, so a worker retries it
 # itself: first after this long, doubling up to the max (its key may be added meanwhile).
 AUTH_RETRY_S = 1.0
@@ -222,6 +225,18 @@ class GatewaySocket:
     async def recv(self) -> worker_pb2.Envelope:
         _identity, frame = await self.socket.recv_multipart()
         return decode(frame)
+
+    async def recv_frames(self, limit: int = RECV_BATCH_FRAMES) -> list[bytes]:
+        """The frames waiting now, up to `limit`, waiting for the first: one wake of the event
+        loop per batch rather than per frame (a fleet's outputs arrive faster than the loop turns).
+        Undecoded, so that one bad frame costs only itself (`decode` each)."""
+        frames = [(await self.socket.recv_multipart())[1]]
+        while len(frames) < limit:
+            try:
+                frames.append((await self.socket.recv_multipart(flags=zmq.NOBLOCK))[1])  # done at once, or Again
+            except zmq.Again:
+                break
+        return frames
 
     async def send(self, worker_id: str, envelope: worker_pb2.Envelope) -> bool:
         """False when the worker is not connected (the caller treats it as gone)."""
