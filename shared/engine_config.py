@@ -17,6 +17,7 @@ from shared.sampling_params import MAX_SPECULATIVE_NGRAM_K
 
 LOAD_MODES = ("full", "sharded", "on_demand")
 ATTENTION_IMPLS = ("fast", "reference")
+DTYPES = ("float32", "float16", "bfloat16")
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "meta")
 _DEVICE = re.compile(rf"({'|'.join(_DEVICE_TYPES)})(:[0-9]+)?")
 # An n-gram longer than this adds index work without finding copies a shorter one misses.
@@ -48,6 +49,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: size the pool from memory
     kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
+    # The KV pool's element type; "" = the model's compute dtype. A half type holds twice the
+    # tokens in the same memory; attention reads it widened to the compute dtype.
+    kv_cache_dtype: str = ""
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
@@ -101,8 +105,10 @@ class EngineConfig:
               "in (0, 1]")
         check(self.device == "auto" or device_type(self.device) is not None, "device", self.device,
               f"auto or a device ({', '.join(_DEVICE_TYPES)}, optionally :N)")
-        check(self.dtype in ("", "float32", "float16", "bfloat16"), "dtype", self.dtype,
+        check(self.dtype in ("", *DTYPES), "dtype", self.dtype,
               'empty (the device\'s default), "float32", "float16" or "bfloat16"')
+        check(self.kv_cache_dtype in ("", *DTYPES), "kv_cache_dtype", self.kv_cache_dtype,
+              'empty (the model\'s compute dtype), "float32", "float16" or "bfloat16"')
         check(self.attention in ATTENTION_IMPLS, "attention", self.attention, "one of " + ", ".join(ATTENTION_IMPLS))
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed",
               self.seed, "an integer or unset")

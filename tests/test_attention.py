@@ -1,4 +1,5 @@
-"""The fast paged-attention path against the plain reference, on random pools and tables."""
+"""The fast paged-attention path against the plain reference, on random pools and tables, in
+float32 and in the half types a KV pool may hold."""
 from __future__ import annotations
 
 import pytest
@@ -11,11 +12,12 @@ from worker.model.cpu_fast_path import kernel_paged_attention
 
 
 def _random_step(seed: int, query_lens, context_lens, num_heads=8, num_kv_heads=2, head_dim=16,
-                 block_size=4, num_blocks=64):
+                 block_size=4, num_blocks=64, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     step = random_paged_step(query_lens, context_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, generator=g,
                              block_size=block_size, num_blocks=num_blocks)
     (k_cache, v_cache), = step.kv_caches
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=g)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
@@ -32,10 +34,11 @@ def _random_step(seed: int, query_lens, context_lens, num_heads=8, num_kv_heads=
     ([1, 1, 6, 13, 4], [12, 4, 0, 9, 0]),  # everything at once, decodes first
 ])
 @pytest.mark.parametrize("decode_path", ["cpu-kernel", "cpu-kernel, torch prefill", "torch"])
-def test_fast_path_matches_reference(query_lens, context_lens, decode_path):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_fast_path_matches_reference(query_lens, context_lens, decode_path, kv_dtype):
     if decode_path.startswith("cpu-kernel") and cpu_kernels.load() is None:
         pytest.skip("no C++ compiler: the CPU kernel cannot be built here")
-    q, k, v, k_cache, v_cache, meta = _random_step(0, query_lens, context_lens)
+    q, k, v, k_cache, v_cache, meta = _random_step(0, query_lens, context_lens, kv_dtype=kv_dtype)
     scale = 16 ** -0.5
     if decode_path == "torch":
         fast = paged_attention(q, k, v, k_cache, v_cache, meta, scale)

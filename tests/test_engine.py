@@ -6,21 +6,10 @@ import random
 import psutil
 import pytest
 
+from engine_steps import drain
 from worker.engine import Engine, RequestRejectedError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def _drain(engine: Engine, max_steps: int = 10_000) -> dict:
-    final = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.final
-        engine.check_integrity()
-    raise AssertionError("engine did not finish")
 
 
 def test_generate_returns_outputs_in_order_with_finish_reasons(llama_dir):
@@ -70,7 +59,7 @@ def test_abort_frees_blocks_within_the_step_and_reports_once(llama_dir):
     outs = engine.step()
     aborted = [o for o in outs if o.request_id == "a"]
     assert len(aborted) == 1 and aborted[0].finish_reason == "abort" and aborted[0].finished
-    final = _drain(engine)
+    final = drain(engine)
     assert set(final) == {"b"}
     engine.block_manager.evict()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

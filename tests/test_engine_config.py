@@ -7,6 +7,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from shared.config import ClusterConfig, ConfigError, WorkerConfig, load_config
 from shared.engine_config import EngineConfig
@@ -55,6 +56,7 @@ def test_every_key_of_the_default_toml_reaches_the_engine_with_its_value(checkpo
     assert engine.runner.max_num_tokens == section["max_num_batched_tokens"]
     assert engine.placement_plan.load_mode == section["load_mode"]
     assert engine.quantization_report is None and section["quantization"] == "none"
+    assert section["kv_cache_dtype"] == "" and engine.kv_caches[0][0].dtype == torch.float32  # the model's
 
 
 def test_from_model_dir_takes_the_toml_names_and_checks_them_the_same_way(checkpoints):
@@ -66,6 +68,7 @@ def test_from_model_dir_takes_the_toml_names_and_checks_them_the_same_way(checkp
     for bad, words in [(dict(max_num_seqs="many"), "must be an integer"),
                        (dict(block_size=0), "block_size must be >= 1"),
                        (dict(quantization="int3"), "quantization must be"),
+                       (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be"),
                        (dict(quantization="mixed", quantization_rule="attention:int9"), "quantization_rule"),
                        (dict(load_mode="sharded", devices=["cpu"]), "at least 2 devices")]:
         with pytest.raises(ConfigError, match=words):

@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from conftest import ARCHITECTURES
+from engine_steps import drain
 from worker.engine import Engine, SamplingParams
 from worker.model import cpu_kernels
 from worker.model.attention import AttentionMetadata, paged_attention, paged_attention_reference
@@ -101,12 +102,7 @@ def test_crowd_preemption_chunking_and_prefix_hits_do_not_change_greedy_outputs(
     requests += list(zip([f"prompt{i}" for i in range(len(prompts))], prompts))
     for request_id, prompt in requests:
         crowd.add_request(request_id, prompt, GREEDY_32)
-    final = {}
-    while crowd.has_unfinished_requests():
-        for out in crowd.step():
-            if out.finished:
-                final[out.request_id] = out.final
-        crowd.check_integrity()
+    final = drain(crowd)
     crowd.block_manager.evict()
     assert crowd.block_manager.num_free_blocks == crowd.block_manager.num_blocks
     assert [final[f"prompt{i}"].token_ids for i in range(len(prompts))] == expected

@@ -7,8 +7,8 @@ Each check prints PASS or FAIL with what it measured; the exit status is the num
 failures. Covers: the engine on CUDA in the checkpoint's half type against float32 on the
 CPU, the runner's own CUDA stream, KV sizing from free device memory, the memory reader's
 CUDA figures, the sharded and on-demand loading modes (pinned memory, side stream, events)
-against full loading, INT8/INT4 on the device (the compute path `choose_path` picked), and speculative
-decoding's verify steps.
+against full loading, INT8/INT4 on the device (the compute path `choose_path` picked), speculative
+decoding's verify steps, and a float16 KV pool beside the model's own dtype.
 """
 from __future__ import annotations
 
@@ -125,9 +125,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{stats.num_spec_draft_tokens} draft tokens accepted; {stats.num_steps} steps for "
                 f"{sum(map(len, drafted))} tokens")
 
+    def kv_cache_dtype():
+        # A pool type other than the compute dtype (bfloat16 on CUDA): every read casts, every write rounds.
+        engine = Engine.from_model_dir(MODEL_DIR, device=device, num_kv_blocks=256, kv_cache_dtype="float16")
+        kv_dtype = engine.kv_caches[0][0].dtype
+        agreement = _agreement(_greedy(state["full"], prompts), _greedy(engine, prompts))
+        return kv_dtype == torch.float16 and agreement >= 0.75, (
+            f"KV {kv_dtype}, greedy agreement with the model's own KV dtype {agreement:.0%}")
+
     check("engine in half precision vs float32 on the CPU", half_precision)
     if "full" in state:
         check("speculative decoding (prompt lookup) on the device", speculative)
+        check("a float16 KV pool", kv_cache_dtype)
         check("runner owns a CUDA stream", runner_stream)
         check("memory reader", memory_reader)
         check("sharded over two stages", loading_mode("sharded", devices=(f"{device}:0",) * 2

@@ -20,7 +20,8 @@ import torch
 from shared.engine_config import EngineConfig
 from worker.block_manager import BlockManager
 from worker.calibrate import load_or_calibrate
-from worker.kv_cache import KVCache, allocate_kv_cache, num_blocks_for_budget, num_blocks_from_free_cuda_memory
+from worker.kv_cache import (KVCache, allocate_kv_cache, num_blocks_for_budget, num_blocks_from_free_cuda_memory,
+                             resolve_kv_cache_dtype)
 from worker.model import cpu_kernels
 from worker.model.attention import paged_attention, paged_attention_reference
 from worker.model.calibration import Calibration, CalibrationSettings
@@ -166,6 +167,7 @@ def _assemble(target: _Target, model: Transformer, load_seconds: float,
     dtype = model.compute_dtype
     # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
     sampler = Sampler(model.output_device, seed=config.seed)
+    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)  # from here on, the KV pools' element type
     num_blocks = _num_kv_blocks(target, model, sampler, dtype)
     kv_caches = allocate_kv_cache(model.config, num_blocks, config.block_size, dtype, model.layer_devices)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -191,7 +193,7 @@ def _num_kv_blocks(target: _Target, model: Transformer, sampler: Sampler, dtype:
     layers_per_device = collections.Counter(model.layer_devices)
     for device in layers_per_device:
         torch.cuda.reset_peak_memory_stats(device)
-    probe.profile_peak_memory()
+    probe.profile_peak_memory(kv_dtype=dtype)
     for device in layers_per_device:
         torch.cuda.synchronize(device)
     del probe

@@ -1,4 +1,5 @@
-"""The KV pools: per layer a K and a V tensor [N, S, Hkv, D], allocated once, and their sizing.
+"""The KV pools: per layer a K and a V tensor [N, S, Hkv, D], allocated once, their element type
+and their sizing.
 
 Owns the tensors only; which request holds which block is the block manager's business.
 """
@@ -14,6 +15,12 @@ from worker.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The pools' element type for `EngineConfig.kv_cache_dtype` `name`: "" is the compute dtype."""
+    return KV_CACHE_DTYPES[name] if name else compute_dtype
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:

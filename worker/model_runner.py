@@ -260,13 +260,14 @@ class ModelRunner:
         return device
 
     @torch.inference_mode()
-    def profile_peak_memory(self, num_tokens: int | None = None) -> None:
-        """One forward of the largest step (a fresh prompt) into a throwaway cache, so the
-        allocator's peak shows what activations cost before the KV pool is sized."""
+    def profile_peak_memory(self, num_tokens: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+        """One forward of the largest step (a fresh prompt) into a throwaway cache of `kv_dtype`
+        (the model's by default), so the allocator's peak shows what activations cost before the
+        KV pool is sized."""
         num_tokens = num_tokens or self.max_num_tokens
         config = self.model.config
         num_blocks = -(-num_tokens // self.block_size)
-        dtype = self.logits.dtype
+        dtype = kv_dtype or self.logits.dtype
         shape = (num_blocks, self.block_size, config.num_kv_heads, config.head_dim)
         scratch = [(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
                    for d in self.model.layer_devices]

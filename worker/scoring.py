@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from worker.kv_cache import allocate_kv_cache
+from worker.kv_cache import allocate_kv_cache, resolve_kv_cache_dtype
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.cpu_fast_path import CpuFastPath
 from worker.model.transformer import AttentionFn, Transformer
@@ -32,20 +32,20 @@ class Score:
 
 
 @torch.inference_mode()
-def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
-                    attention_fn: AttentionFn = paged_attention,
-                    fast_path: CpuFastPath | None = None) -> torch.Tensor:
-    """Log-probabilities [L, V] (float32) of the next token after each of token_ids' L
-    positions, the whole window as one sequence."""
+def window_logits(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
+                  attention_fn: AttentionFn = paged_attention, fast_path: CpuFastPath | None = None,
+                  kv_cache_dtype: str = "") -> torch.Tensor:
+    """Logits [L, V] (float32) of the next token after each of token_ids' L positions, the whole
+    window as one sequence, over a KV cache of `kv_cache_dtype` (as EngineConfig names it)."""
     device = model.input_device
-    dtype = model.compute_dtype
+    dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.compute_dtype)
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
     kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, dtype, model.layer_devices)
     # Reversed, so the attention has to follow the table rather than luck into identity.
     table = list(reversed(range(num_blocks)))
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
-    logprob_rows = []
+    rows = []
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
         positions = torch.arange(start, end, device=device)
@@ -56,8 +56,18 @@ def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size:
         else:
             hidden = model(ids[start:end], positions, kv_caches, meta, attention_fn)
             logits = model.compute_logits(hidden)  # [T, V]
-        logprob_rows.append(logits.float().log_softmax(dim=-1).to(device))
-    return torch.cat(logprob_rows)
+        rows.append(logits.float().to(device))
+    return torch.cat(rows)
+
+
+@torch.inference_mode()
+def window_logprobs(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,
+                    attention_fn: AttentionFn = paged_attention, fast_path: CpuFastPath | None = None,
+                    kv_cache_dtype: str = "") -> torch.Tensor:
+    """Log-probabilities [L, V] (float32) of the next token after each of token_ids' L
+    positions, the whole window as one sequence."""
+    return window_logits(model, token_ids, block_size=block_size, chunk_size=chunk_size, attention_fn=attention_fn,
+                         fast_path=fast_path, kv_cache_dtype=kv_cache_dtype).log_softmax(dim=-1)
 
 
 def window_nll(model: Transformer, token_ids: Sequence[int], *, block_size: int = 16, chunk_size: int = 128,

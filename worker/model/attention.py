@@ -5,6 +5,9 @@ the one place the slot arithmetic lives) and two torch implementations behind on
 `paged_attention_reference`, a plain per-sequence loop that tests trust, and `paged_attention`,
 the batched path the modules run. Our C++ kernels for the same job belong to the CPU fast path
 (worker/model/cpu_fast_path.py). Knows nothing of requests or schedulers.
+
+The pools may hold another dtype than the model computes in (`kv_cache_dtype`): K/V are rounded
+to it when written and every path attends to them as stored, widened to the query's dtype.
 """
 from __future__ import annotations
 
@@ -84,8 +87,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     # k_cache [N, S, Hkv, D] viewed as [N*S, Hkv, D]; k [T, Hkv, D].
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """This step's K or V as `cache` holds it (rounded to its dtype), back in x's dtype: a chunk
+    attending to its own fresh K/V sees what a later step will read from the pool."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -158,11 +167,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q_len, ctx_len = meta.query_lens[b], meta.context_lens[b]
         end = start + q_len
         if ctx_len == 0:
-            kb, vb = k[start:end], v[start:end]
+            kb, vb = _as_stored(k[start:end], k_cache), _as_stored(v[start:end], v_cache)
         else:
             seq_len = ctx_len + q_len
-            kb = _gather_context(k_cache, meta.block_tables[b], seq_len)
-            vb = _gather_context(v_cache, meta.block_tables[b], seq_len)
+            kb = _gather_context(k_cache, meta.block_tables[b], seq_len).to(q.dtype)
+            vb = _gather_context(v_cache, meta.block_tables[b], seq_len).to(q.dtype)
         out[start:end] = _prefill_attention(q[start:end], kb, vb, ctx_len, scale)
         start = end
 
@@ -176,8 +185,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     max_blocks = (max_len + block_size - 1) // block_size
     tables = block_tables[:, :max_blocks]
     # [B, n, S, Hkv, D] -> [B, Hkv, L, D] with L = n * S (padding masked below)
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keys = k_cache[tables].to(q.dtype).flatten(1, 2).transpose(1, 2)
+    values = v_cache[tables].to(q.dtype).flatten(1, 2).transpose(1, 2)
     length = keys.shape[2]
     mask = torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
     queries = q.view(num_seqs, num_kv_heads, group, head_dim)  # heads of one KV head share its K/V

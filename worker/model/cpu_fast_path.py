@@ -9,7 +9,9 @@ QuantizedLinear (by the path their plan chose). Activations are float32 whatever
 One call runs every layer of a step (csrc/decoder_layers.cpp) where every projection of the
 decoder layers is packed or quantized with our kernels as its path for the step's size (INT8
 and INT4 widen their weights in registers there too); otherwise the kernels run one call at a
-time, layer by layer, and the quantized projections through their modules.
+time, layer by layer, and the quantized projections through their modules. The KV pools may hold
+float16 or bfloat16 (`kv_cache_dtype`) as well as float32: the kernels round K/V to the pool's
+type as they write it and widen it as they read, so the step computes in float32 either way.
 
 Build it only once the weights are final (after calibration, quantization and placement): it
 keeps its own references to them, so later changes to the modules do not reach it, and forward

@@ -3,7 +3,8 @@
 // (every live token of every sequence, every layer), so the kernel reads each slot's row (all
 // KV heads, contiguous) once per pass, front to back, with the row a few slots ahead
 // prefetched: slots sit in blocks scattered over the pool, where the hardware prefetcher
-// stops at every block boundary.
+// stops at every block boundary. A half pool (float16, bfloat16) is widened to float32 in
+// registers as it is read, so it streams half the bytes.
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -28,29 +29,31 @@ struct SequenceView {
   int64_t len;
 };
 
+// KV: the pools' element type (float, c10::Half or c10::BFloat16).
+template <typename KV>
 struct PoolView {
-  const float* k;
-  const float* v;
+  const KV* k;
+  const KV* v;
   int64_t block_size, slot_stride, num_heads, group, head_dim;
 
-  const float* slot(const float* pool, const int64_t* table, int64_t token) const {
+  const KV* slot(const KV* pool, const int64_t* table, int64_t token) const {
     return pool + (table[token / block_size] * block_size + token % block_size) * slot_stride;
   }
 
-  // Floats of a slot's row this view reads: its KV heads only (all of them unless split).
-  int64_t row_floats() const { return num_heads / group * head_dim; }
+  // Bytes of a slot's row this view reads: its KV heads only (all of them unless split).
+  int64_t row_bytes() const { return num_heads / group * head_dim * int64_t(sizeof(KV)); }
 };
 
 #ifdef HAVE_AVX2_FMA
-inline void prefetch_row(const float* row, int64_t floats) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < floats * int64_t(sizeof(float)); offset += 64)
-    _mm_prefetch(bytes + offset, _MM_HINT_T1);
+inline void prefetch_row(const void* row, int64_t num_bytes) {
+  const char* bytes = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T1);
 }
 
 // head_dim a multiple of 8. Scores are laid out [len, heads rounded up to 8], so the softmax
 // runs across 8 heads per vector with no horizontal step.
-void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std::vector<float>& scores) {
+template <typename KV>
+void attend_avx2(const SequenceView& seq, const PoolView<KV>& pool, float scale, std::vector<float>& scores) {
   const int64_t num_heads = pool.num_heads, head_dim = pool.head_dim, len = seq.len;
   const int64_t padded_heads = (num_heads + kLanes - 1) / kLanes * kLanes;
   scores.resize(len * padded_heads + padded_heads);  // the scores, then 1 / sum per head
@@ -59,11 +62,11 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
   // q . k for 8 heads of one slot at a time, as 8 accumulators summed in one step; heads past
   // the last (padding) repeat it and are never read.
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.k, seq.table, t + kPrefetchSlots), pool.row_floats());
-    const float* k_row = pool.slot(pool.k, seq.table, t);
+    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.k, seq.table, t + kPrefetchSlots), pool.row_bytes());
+    const KV* k_row = pool.slot(pool.k, seq.table, t);
     for (int64_t h0 = 0; h0 < padded_heads; h0 += kLanes) {
       const float* q_head[kLanes];
-      const float* k_head[kLanes];
+      const KV* k_head[kLanes];
       for (int64_t i = 0; i < kLanes; ++i) {
         const int64_t h = std::min(h0 + i, num_heads - 1);
         q_head[i] = seq.q + h * head_dim;
@@ -75,7 +78,7 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
       for (int64_t d = 0; d < head_dim; d += kLanes) {
 #pragma GCC unroll 8
         for (int i = 0; i < kLanes; ++i)
-          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), _mm256_loadu_ps(k_head[i] + d), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), load8(k_head[i] + d), acc[i]);
       }
       _mm256_storeu_ps(scores.data() + t * padded_heads + h0, _mm256_mul_ps(sums_of_eight(acc), scale_v));
     }
@@ -96,15 +99,15 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
   // out[h] = sum over slots of p[t, h] * v[t, h / group]; out stays in L1 across the slots.
   std::fill(seq.out, seq.out + num_heads * head_dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.v, seq.table, t + kPrefetchSlots), pool.row_floats());
-    const float* v_row = pool.slot(pool.v, seq.table, t);
+    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.v, seq.table, t + kPrefetchSlots), pool.row_bytes());
+    const KV* v_row = pool.slot(pool.v, seq.table, t);
     const float* p = scores.data() + t * padded_heads;
     for (int64_t h = 0; h < num_heads; ++h) {
       const __m256 weight = _mm256_broadcast_ss(p + h);
-      const float* v_head = v_row + (h / pool.group) * head_dim;
+      const KV* v_head = v_row + (h / pool.group) * head_dim;
       float* o = seq.out + h * head_dim;
       for (int64_t d = 0; d < head_dim; d += kLanes)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v_head + d), _mm256_loadu_ps(o + d)));
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(weight, load8(v_head + d), _mm256_loadu_ps(o + d)));
     }
   }
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -116,11 +119,12 @@ void attend_avx2(const SequenceView& seq, const PoolView& pool, float scale, std
 #endif
 
 // Any head_dim, no vector extensions: the same two passes, one head at a time.
-void attend_portable(const SequenceView& seq, const PoolView& pool, float scale, std::vector<float>& scores) {
+template <typename KV>
+void attend_portable(const SequenceView& seq, const PoolView<KV>& pool, float scale, std::vector<float>& scores) {
   const int64_t num_heads = pool.num_heads, head_dim = pool.head_dim, len = seq.len;
   scores.resize(num_heads * len);
   for (int64_t t = 0; t < len; ++t) {
-    const float* k_row = pool.slot(pool.k, seq.table, t);
+    const KV* k_row = pool.slot(pool.k, seq.table, t);
     for (int64_t h = 0; h < num_heads; ++h)
       scores[h * len + t] = dot(seq.q + h * head_dim, k_row + (h / pool.group) * head_dim, head_dim) * scale;
   }
@@ -133,32 +137,29 @@ void attend_portable(const SequenceView& seq, const PoolView& pool, float scale,
   }
   std::fill(seq.out, seq.out + num_heads * head_dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    const float* v_row = pool.slot(pool.v, seq.table, t);
+    const KV* v_row = pool.slot(pool.v, seq.table, t);
     for (int64_t h = 0; h < num_heads; ++h) {
       const float p = scores[h * len + t];
-      const float* v_head = v_row + (h / pool.group) * head_dim;
+      const KV* v_head = v_row + (h / pool.group) * head_dim;
       float* o = seq.out + h * head_dim;
 #pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v_head[d];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * static_cast<float>(v_head[d]);
     }
   }
 }
 
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [N, S, Hkv, D]; block_tables [B, W] int64; seq_lens [B] int64.
+// q [B, H, D] float32; k_cache, v_cache [N, S, Hkv, D] float32, float16 or bfloat16 (both the
+// same); block_tables [B, W] int64; seq_lens [B] int64. Returns [B, H, D] float32.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
-              "float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV pools must be contiguous");
+  TORCH_CHECK(q.dtype() == at::kFloat, "paged_decode_attention: q must be float32, got ", q.scalar_type());
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), table_width = block_tables.size(1);
-  const PoolView pool{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(1),
-                      num_kv_heads * head_dim, num_heads, num_heads / num_kv_heads, head_dim};
   auto out = at::empty_like(q);
   const float* q_ptr = q.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -169,38 +170,43 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   vectorised = head_dim % kLanes == 0;
 #endif
 
-  // One task per sequence, or, when there are fewer sequences than threads (a single stream,
-  // the last few requests of a batch), per sequence and range of KV heads, so every thread
-  // streams part of the K/V. Sequences differ in length by 10x or more, so tasks go longest
-  // first to whichever thread is free (dynamic), not in equal contiguous shares.
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
-  std::vector<int64_t> order(num_seqs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-  const int64_t num_tasks = num_seqs * splits;
+  with_kv_type(k_cache, v_cache, "paged_decode_attention", [&](auto zero) {
+    using KV = decltype(zero);
+    const PoolView<KV> pool{k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(), k_cache.size(1), num_kv_heads * head_dim,
+                            num_heads, num_heads / num_kv_heads, head_dim};
+    // One task per sequence, or, when there are fewer sequences than threads (a single stream,
+    // the last few requests of a batch), per sequence and range of KV heads, so every thread
+    // streams part of the K/V. Sequences differ in length by 10x or more, so tasks go longest
+    // first to whichever thread is free (dynamic), not in equal contiguous shares.
+    const int64_t threads = at::get_num_threads();
+    const int64_t splits = num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
+    std::vector<int64_t> order(num_seqs);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+    const int64_t num_tasks = num_seqs * splits;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, num_tasks)))
-  {
-    std::vector<float> scores;
+    {
+      std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_tasks; ++task) {
-      const int64_t b = order[task / splits], split = task % splits;
-      // KV heads [kv0, kv1) and their query heads [kv0 * group, kv1 * group): the same pool with
-      // its rows read from the first of those heads on.
-      const int64_t kv0 = split * num_kv_heads / splits, kv1 = (split + 1) * num_kv_heads / splits;
-      const int64_t h0 = kv0 * pool.group;
-      const PoolView part{pool.k + kv0 * head_dim, pool.v + kv0 * head_dim, pool.block_size, pool.slot_stride,
-                          (kv1 - kv0) * pool.group, pool.group, head_dim};
-      const SequenceView seq{q_ptr + (b * num_heads + h0) * head_dim, out_ptr + (b * num_heads + h0) * head_dim,
-                             tables + b * table_width, lens[b]};
+      for (int64_t task = 0; task < num_tasks; ++task) {
+        const int64_t b = order[task / splits], split = task % splits;
+        // KV heads [kv0, kv1) and their query heads [kv0 * group, kv1 * group): the same pool with
+        // its rows read from the first of those heads on.
+        const int64_t kv0 = split * num_kv_heads / splits, kv1 = (split + 1) * num_kv_heads / splits;
+        const int64_t h0 = kv0 * pool.group;
+        const PoolView<KV> part{pool.k + kv0 * head_dim, pool.v + kv0 * head_dim, pool.block_size, pool.slot_stride,
+                                (kv1 - kv0) * pool.group, pool.group, head_dim};
+        const SequenceView seq{q_ptr + (b * num_heads + h0) * head_dim, out_ptr + (b * num_heads + h0) * head_dim,
+                               tables + b * table_width, lens[b]};
 #ifdef HAVE_AVX2_FMA
-      if (vectorised) {
-        attend_avx2(seq, part, static_cast<float>(scale), scores);
-        continue;
-      }
+        if (vectorised) {
+          attend_avx2(seq, part, static_cast<float>(scale), scores);
+          continue;
+        }
 #endif
-      attend_portable(seq, part, static_cast<float>(scale), scores);
+        attend_portable(seq, part, static_cast<float>(scale), scores);
+      }
     }
-  }
+  });
   return out;
 }

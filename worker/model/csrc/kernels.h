@@ -1,6 +1,7 @@
 // The kernels the extension exports (bindings.cpp), each defined in the file named beside it.
-// All float32 on the CPU; the Python side (worker/model/cpu_kernels.py) falls back to torch
-// for anything else.
+// All float32 on the CPU, but for the KV pools, which may also hold float16 or bfloat16
+// (kv_cache_dtype); the Python side (worker/model/cpu_kernels.py) falls back to torch for
+// anything else.
 #pragma once
 
 #include <ATen/ATen.h>

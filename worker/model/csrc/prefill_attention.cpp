@@ -5,6 +5,7 @@
 //   S = Q K^T  over key panels of 16, K packed once per (sequence, KV head) as [keys/16, D, 16];
 //   O = P V    over the keys, V read in place (16 head dims at a time) through the block table.
 // Key panels wholly past a tile's last position are skipped, so the causal half costs nothing.
+// A half pool (float16, bfloat16) is widened to float32 as K is packed and as V is read.
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -68,18 +69,18 @@ inline void score_panel(const TileRows& rows, const float* panel, int64_t head_d
 }
 
 // out[r][c0 .. c0 + 16) = sum over keys of P[r][key] * V[key][c0 ..], keys up to the tile's limit.
-template <int MR>
-inline void value_block(const TileRows& rows, const float* p, int64_t p_stride, const float* v_pool,
+template <int MR, typename KV>
+inline void value_block(const TileRows& rows, const float* p, int64_t p_stride, const KV* v_pool,
                         const int64_t* slots, int64_t slot_stride, int64_t head_offset, int64_t c0) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   for (int64_t t = 0; t < rows.max_limit; ++t) {
-    const float* v = v_pool + slots[t] * slot_stride + head_offset + c0;
+    const KV* v = v_pool + slots[t] * slot_stride + head_offset + c0;
     if (t + kPrefetchKeys < rows.max_limit)
       _mm_prefetch(reinterpret_cast<const char*>(v_pool + slots[t + kPrefetchKeys] * slot_stride + head_offset + c0),
                    _MM_HINT_T0);
-    const __m256 w_lo = _mm256_loadu_ps(v), w_hi = _mm256_loadu_ps(v + 8);
+    const __m256 w_lo = load8(v), w_hi = load8(v + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 a = _mm256_broadcast_ss(p + i * p_stride + t);
@@ -121,9 +122,9 @@ inline void softmax_row(float* s, int64_t limit, int64_t tile_limit) {
   std::fill(s + limit, s + tile_limit, 0.f);
 }
 
-template <int MR>
+template <int MR, typename KV>
 void attend_tile(const TileRows& rows, const Sequence& seq, const Shapes& shapes, int64_t kv_head,
-                 const float* v_pool, std::vector<float>& scores) {
+                 const KV* v_pool, std::vector<float>& scores) {
   const int64_t len = seq.len(), panels = (rows.max_limit + kKeys - 1) / kKeys;
   const int64_t s_stride = panels * kKeys;
   scores.resize(MR * s_stride);
@@ -138,9 +139,9 @@ void attend_tile(const TileRows& rows, const Sequence& seq, const Shapes& shapes
                     kv_head * shapes.head_dim, c0);
 }
 
-template <int MR>
+template <int MR, typename KV>
 void attend_rows(int count, const TileRows& rows, const Sequence& seq, const Shapes& shapes, int64_t kv_head,
-                 const float* v_pool, std::vector<float>& scores) {
+                 const KV* v_pool, std::vector<float>& scores) {
   if constexpr (MR > 0) {
     if (count == MR) return attend_tile<MR>(rows, seq, shapes, kv_head, v_pool, scores);
     attend_rows<MR - 1>(count, rows, seq, shapes, kv_head, v_pool, scores);
@@ -158,14 +159,15 @@ bool prefill_attention_supported(int64_t head_dim) {
 #endif
 }
 
-// q [T, H, D] (rows may be strided; heads and dims contiguous), the prompt-chunk tokens of the
-// step, sequence after sequence; out [T, H, D] contiguous rows, written. block_tables [S, W],
+// q [T, H, D] float32 (rows may be strided; heads and dims contiguous), the prompt-chunk tokens
+// of the step, sequence after sequence; out [T, H, D] float32 contiguous rows, written. k_cache,
+// v_cache [N, S, Hkv, D] float32, float16 or bfloat16 (both the same). block_tables [S, W],
 // seq_lens [S] (cached + new), query_starts [S + 1] (row offsets into q and out).
 void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                              at::Tensor seq_lens, at::Tensor query_starts, double scale, at::Tensor out) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat &&
-              out.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV pools must be contiguous");
+  TORCH_CHECK(q.dtype() == at::kFloat && out.dtype() == at::kFloat,
+              "paged_prefill_attention: q and out must be float32, got ", q.scalar_type(), " and ", out.scalar_type());
+  check_kv_pools(k_cache, v_cache, "paged_prefill_attention");
   const int64_t num_heads = q.size(1), head_dim = q.size(2), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(prefill_attention_supported(head_dim), "head_dim must be a multiple of 16 (and AVX2 available)");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim && out.stride(2) == 1 && out.stride(1) == head_dim,
@@ -193,34 +195,14 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     panel_offset[s + 1] = panel_offset[s] + num_kv_heads * ((lens[s] + kKeys - 1) / kKeys) * head_dim * kKeys;
   }
   std::vector<int64_t> slots(slot_offset[num_seqs]);
-  auto packed = at::empty({panel_offset[num_seqs]}, k_cache.options());
+  auto packed = at::empty({panel_offset[num_seqs]}, k_cache.options().dtype(at::kFloat));
   float* packed_ptr = packed.data_ptr<float>();
-  const float* k_pool = k_cache.data_ptr<float>();
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t* table = tables + s * table_width;
     for (int64_t t = 0; t < lens[s]; ++t) slots[slot_offset[s] + t] = table[t / block_size] * block_size + t % block_size;
     seqs[s] = Sequence{starts[s], starts[s + 1] - starts[s], lens[s] - (starts[s + 1] - starts[s]),
                        packed_ptr + panel_offset[s], slots.data() + slot_offset[s]};
   }
-  // Pack K: panel p of head g holds keys 16p .. 16p + 15 side by side for each head dim.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const Sequence& seq = seqs[item / num_kv_heads];
-      const int64_t g = item % num_kv_heads, len = seq.len(), panels = (len + kKeys - 1) / kKeys;
-      float* dst = const_cast<float*>(seq.k_panels) + g * panels * head_dim * kKeys;
-      for (int64_t p = 0; p < panels; ++p)
-        for (int64_t lane = 0; lane < kKeys; ++lane) {
-          const int64_t t = p * kKeys + lane;
-          float* column = dst + p * head_dim * kKeys + lane;
-          if (t >= len) {
-            for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = 0.f;
-            continue;
-          }
-          const float* k = k_pool + seq.slots[t] * shapes.slot_stride + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = k[d];
-        }
-    }
-  });
   // Work items: (sequence, KV head, tile of rows), longest rows first (a late tile sees the most keys).
   struct Item { int64_t seq, kv_head, row0; };
   std::vector<Item> items;
@@ -232,29 +214,52 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   });
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
-  const float* v_pool = v_cache.data_ptr<float>();
-  const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < num_items; ++n) {
-      const Item& item = items[n];
-      const Sequence& seq = seqs[item.seq];
-      const int64_t total_rows = seq.q_len * shapes.group;
-      TileRows rows;
-      rows.count = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - item.row0));
-      rows.max_limit = 0;
-      for (int i = 0; i < rows.count; ++i) {
-        const int64_t r = item.row0 + i, position = r / shapes.group;
-        const int64_t head = item.kv_head * shapes.group + r % shapes.group;
-        rows.q[i] = q_ptr + (seq.q_start + position) * shapes.q_row_stride + head * head_dim;
-        rows.out[i] = out_ptr + (seq.q_start + position) * shapes.out_row_stride + head * head_dim;
-        rows.limit[i] = seq.ctx + position + 1;
-        rows.max_limit = std::max(rows.max_limit, rows.limit[i]);
+  with_kv_type(k_cache, v_cache, "paged_prefill_attention", [&](auto zero) {
+    using KV = decltype(zero);
+    const KV* k_pool = k_cache.data_ptr<KV>();
+    const KV* v_pool = v_cache.data_ptr<KV>();
+    // Pack K: panel p of head g holds keys 16p .. 16p + 15 side by side for each head dim.
+    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const Sequence& seq = seqs[item / num_kv_heads];
+        const int64_t g = item % num_kv_heads, len = seq.len(), panels = (len + kKeys - 1) / kKeys;
+        float* dst = const_cast<float*>(seq.k_panels) + g * panels * head_dim * kKeys;
+        for (int64_t p = 0; p < panels; ++p)
+          for (int64_t lane = 0; lane < kKeys; ++lane) {
+            const int64_t t = p * kKeys + lane;
+            float* column = dst + p * head_dim * kKeys + lane;
+            if (t >= len) {
+              for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = 0.f;
+              continue;
+            }
+            const KV* k = k_pool + seq.slots[t] * shapes.slot_stride + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = static_cast<float>(k[d]);
+          }
       }
-      attend_rows<kTileRows>(rows.count, rows, seq, shapes, item.kv_head, v_pool, scores);
+    });
+    const int64_t num_items = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
+    {
+      std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t n = 0; n < num_items; ++n) {
+        const Item& item = items[n];
+        const Sequence& seq = seqs[item.seq];
+        const int64_t total_rows = seq.q_len * shapes.group;
+        TileRows rows;
+        rows.count = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - item.row0));
+        rows.max_limit = 0;
+        for (int i = 0; i < rows.count; ++i) {
+          const int64_t r = item.row0 + i, position = r / shapes.group;
+          const int64_t head = item.kv_head * shapes.group + r % shapes.group;
+          rows.q[i] = q_ptr + (seq.q_start + position) * shapes.q_row_stride + head * head_dim;
+          rows.out[i] = out_ptr + (seq.q_start + position) * shapes.out_row_stride + head * head_dim;
+          rows.limit[i] = seq.ctx + position + 1;
+          rows.max_limit = std::max(rows.max_limit, rows.limit[i]);
+        }
+        attend_rows<kTileRows>(rows.count, rows, seq, shapes, item.kv_head, v_pool, scores);
+      }
     }
-  }
+  });
 #endif
 }

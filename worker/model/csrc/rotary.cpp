@@ -1,12 +1,11 @@
 // Rotary position embedding applied in place to q and k inside the fused qkv projection, and
 // the step's K/V written to their cache slots, in one pass over the tokens (torch takes a
-// dozen small ops for the same: four per rotation, two index copies, temporaries).
+// dozen small ops for the same: four per rotation, two index copies, temporaries). A half pool
+// (float16, bfloat16) gets K/V rounded to nearest even, as torch's .to() rounds.
 #include "kernels.h"
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
-
-#include <cstring>
 
 namespace {
 
@@ -32,13 +31,15 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
 
 }  // namespace
 
-// qkv [T, (H + 2 Hkv) D] contiguous (q heads, then k heads, then v heads); cos, sin [T, D/2];
-// slot_mapping [T] int64 (a negative slot is not written); k_cache, v_cache [N, S, Hkv, D].
+// qkv [T, (H + 2 Hkv) D] float32 contiguous (q heads, then k heads, then v heads); cos, sin
+// [T, D/2] float32; slot_mapping [T] int64 (a negative slot is not written); k_cache, v_cache
+// [N, S, Hkv, D] float32, float16 or bfloat16 (both the same).
 void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
                          at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads) {
-  TORCH_CHECK(qkv.dtype() == at::kFloat && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat &&
-              k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous qkv and pools");
+  TORCH_CHECK(qkv.dtype() == at::kFloat && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat,
+              "rotary_and_write_kv: qkv, cos and sin must be float32");
+  TORCH_CHECK(qkv.is_contiguous(), "rotary_and_write_kv: qkv must be contiguous");
+  check_kv_pools(k_cache, v_cache, "rotary_and_write_kv");
   TORCH_CHECK(slot_mapping.dtype() == at::kLong, "int64 slot mapping");
   cos = cos.contiguous();
   sin = sin.contiguous();
@@ -53,23 +54,26 @@ void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Ten
   const float* cos_ptr = cos.data_ptr<float>();
   const float* sin_ptr = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  float* k_pool = k_cache.data_ptr<float>();
-  float* v_pool = v_cache.data_ptr<float>();
   const int64_t row = qkv.size(1);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " beyond the pool's ", num_slots);
-  at::parallel_for(0, tokens, grain_for(row), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* q = qkv_ptr + t * row;
-      float* k = q + num_heads * head_dim;
-      const float* v = k + kv_floats;
-      const float* c = cos_ptr + t * half;
-      const float* s = sin_ptr + t * half;
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate(q + h * head_dim, c, s, half);
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      std::memcpy(k_pool + slot * kv_floats, k, kv_floats * sizeof(float));
-      std::memcpy(v_pool + slot * kv_floats, v, kv_floats * sizeof(float));
-    }
+  with_kv_type(k_cache, v_cache, "rotary_and_write_kv", [&](auto zero) {
+    using KV = decltype(zero);
+    KV* k_pool = k_cache.data_ptr<KV>();
+    KV* v_pool = v_cache.data_ptr<KV>();
+    at::parallel_for(0, tokens, grain_for(row), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float* q = qkv_ptr + t * row;
+        float* k = q + num_heads * head_dim;
+        const float* v = k + kv_floats;
+        const float* c = cos_ptr + t * half;
+        const float* s = sin_ptr + t * half;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate(q + h * head_dim, c, s, half);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        store_row(k_pool + slot * kv_floats, k, kv_floats);
+        store_row(v_pool + slot * kv_floats, v, kv_floats);
+      }
+    });
   });
 }

@@ -1,8 +1,15 @@
 // Vector helpers shared by our CPU kernels: AVX2 + FMA where the compiler targets it
-// (HAVE_AVX2_FMA; the kernels keep a portable path without it).
+// (HAVE_AVX2_FMA; the kernels keep a portable path without it), and the element types a KV
+// pool may hold (float32, float16, bfloat16: kv_cache_dtype), widened to float32 as they are read.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -21,14 +28,77 @@ inline int64_t grain_for(int64_t work_per_item) {
   return work_per_item <= 0 ? 1 : (kMinParallelWork + work_per_item - 1) / work_per_item;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// b may be a KV pool's row, of any of its element types.
+template <typename B>
+inline float dot(const float* a, const B* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(b[i]);
   return acc;
 }
 
+// Runs body(KV{}) with KV the element type of both pools (float, c10::Half or c10::BFloat16), so
+// a kernel is compiled once per type and its loops hold no per-element choice; refuses others.
+inline void check_kv_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* kernel) {
+  const at::ScalarType type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == type && (type == at::kFloat || type == at::kHalf || type == at::kBFloat16),
+              kernel, ": the K and V pools must both be float32, float16 or bfloat16; got ", k_cache.scalar_type(),
+              " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), kernel, ": the K and V pools must be contiguous");
+}
+
+template <typename Body>
+inline void with_kv_type(const at::Tensor& k_cache, const at::Tensor& v_cache, const char* kernel, Body&& body) {
+  check_kv_pools(k_cache, v_cache, kernel);
+  const at::ScalarType type = k_cache.scalar_type();
+  if (type == at::kHalf) {
+    body(c10::Half{});
+  } else if (type == at::kBFloat16) {
+    body(c10::BFloat16{});
+  } else {
+    body(float{});
+  }
+}
+
+// dst[0 .. n) = src in a pool's element type, rounded to nearest even (c10's conversions and
+// F16C's both round so, as torch's .to() does).
+template <typename KV>
+inline void store_row(KV* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<KV, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+#if defined(HAVE_AVX2_FMA) && defined(__F16C__)
+    if constexpr (std::is_same_v<KV, c10::Half>) {
+      for (; i + kLanes <= n; i += kLanes)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = KV(src[i]);
+  }
+}
+
 #ifdef HAVE_AVX2_FMA
+// Eight consecutive elements of a KV pool's row, widened to float32 in registers.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  // bfloat16 is the upper half of a float32: widening is a shift of its bits.
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline __m256 load8(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(lanes);
+#endif
+}
+
 inline float horizontal_sum(__m256 v) {
   __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
