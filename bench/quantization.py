@@ -34,6 +34,8 @@ VARIANTS = [
     ("mixed: attention int8, MLP int4", {"quantization": "mixed"}),
     ("mixed: seeds' rule, >=1M params int8", {"quantization": "mixed", "quantization_rule": SEEDS_RULE}),
     ("int8, output head int8 too", {"quantization": "mixed", "quantization_rule": "*:int8,head:int8"}),
+    ("int8 + int8 activations", {"quantization": "int8", "quantization_activations": "int8"}),
+    ("int4 + int8 activations", {"quantization": "int4", "quantization_activations": "int8"}),
     ("int4, pre-quantized checkpoint", {}),  # the folder tools/quantize_checkpoint.py writes
     ("sharded over cpu, cpu", {"load_mode": "sharded", "devices": ["cpu", "cpu"]}),
     ("on demand", {"load_mode": "on_demand"}),
