@@ -32,7 +32,7 @@ def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
         request.prompt = args.prompt
     s = request.sampling
     s.max_tokens = args.max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "speculative_ngram_k"):
         value = getattr(args, name)
         if value is not None:
             setattr(s, name, value)
@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--repetition-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--speculative-ngram-k", type=int, default=None, metavar="K",
+                        help="draft up to K tokens a step by prompt lookup (0: off; default: the server's)")
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--priority", type=int, default=0, help="lower is served first")

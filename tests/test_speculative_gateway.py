@@ -43,6 +43,17 @@ def test_the_openai_body_takes_it_and_refuses_what_is_out_of_range():
             options(speculative_ngram_k=bad)
 
 
+@pytest.mark.parametrize("argv, expected", [([], None), (["--speculative-ngram-k", "0"], 0),
+                                             (["--speculative-ngram-k", "6"], 6)])
+def test_the_command_line_client_sends_it(monkeypatch, argv, expected):
+    from gateway import client
+    parsed = []
+    monkeypatch.setattr(client, "generate", lambda args: parsed.append(args) or 0)
+    assert client.main(["hello", *argv]) == 0
+    sampling = client.build_request(parsed[0]).sampling
+    assert (sampling.speculative_ngram_k if sampling.HasField("speculative_ngram_k") else None) == expected
+
+
 def test_a_delta_of_several_tokens_keeps_none_past_a_stop_string(tokenizer):
     ids = tokenizer.encode("The quick brown fox jumps over")
     stop_at = next(i for i in range(len(ids)) if "brown" in tokenizer.decode(ids[:i + 1]))
