@@ -114,6 +114,7 @@ def test_an_engine_with_int8_activations_gives_each_request_the_tokens_it_gets_a
     engine = Engine.from_model_dir(folder, device="cpu", quantization="int8", quantization_activations="int8",
                                    quantization_calibration="none", num_kv_blocks=64, max_prefill_chunk_tokens=16)
     assert "int8 activations" in engine.runner.fast_path.describe()
+    assert list(engine.quantization_report.paths) == ["ours/ours int8 activations"]
     prompts = [list(range(3, 60)), [9] * 12, [40, 41, 42]]
     together = [o.token_ids for o in engine.generate(prompts, GREEDY, use_tqdm=False)]
     alone = []

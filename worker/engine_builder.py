@@ -102,6 +102,8 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
     load_seconds += time.perf_counter() - started
     if config.quantization_activations == "int8":
         _use_int8_activations(target, model)
+        if report is not None:
+            report.count_paths(model)  # now ours at every size
     # Chosen once, over the final weights and after calibration (whose hooks need the modules);
     # the float Linears it packs then hold only its panels.
     fast_path, reason = choose_fast_path(model, ATTENTION[config.attention])

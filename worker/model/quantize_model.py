@@ -38,6 +38,14 @@ class QuantizationReport:
     def saved_bytes(self) -> int:
         return self.float_bytes - self.quantized_bytes
 
+    def count_paths(self, model: nn.Module) -> None:
+        """`paths` from the quantized layers as they are now."""
+        self.paths = {}
+        for m in model.modules():
+            if isinstance(m, QuantizedLinear):
+                key = f"{m.small_path}/{m.path}" + (" int8 activations" if m.int8_activations else "")
+                self.paths[key] = self.paths.get(key, 0) + 1
+
 
 def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool = True,
                    input_scales: dict[str, torch.Tensor] | None = None) -> QuantizationReport:
@@ -72,8 +80,7 @@ def quantize_model(model: nn.Module, rule: QuantizationRule, measure_paths: bool
         if embedding is None or linear.weight is not embedding.weight:  # a tied head's float bytes stay, as the embedding
             report.float_bytes += linear.weight.numel() * linear.weight.element_size()
         report.quantized_bytes += qw.nbytes
-        paths = f"{quantized.small_path}/{quantized.path}"  # decode-sized / prefill-sized steps
-        report.paths[paths] = report.paths.get(paths, 0) + 1
         report.layers[full_name] = dict(bits=bits, group_size=qw.group_size, shape=list(qw.shape),
                                         has_bias=linear.bias is not None, has_input_scale=input_scale is not None)
+    report.count_paths(model)  # decode-sized / prefill-sized steps
     return report
