@@ -119,15 +119,15 @@ class Dispatcher:
     # ---- worker -> gateway ---------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self.socket.recv_frames()
-            now = time.monotonic()
-            for frame in frames:
+            for frame in await self.socket.recv_frames():
                 try:
                     envelope = decode(frame)
                 except WireError as e:
                     log.warning("dropping a frame: %s", e)
                     continue
-                self._on_envelope(envelope, now)
+                # Each frame its own time: a batch's frames are handled one after another, and a
+                # stream's inter-token gaps are measured between them.
+                self._on_envelope(envelope, time.monotonic())
 
     def _on_envelope(self, envelope: worker_pb2.Envelope, now: float) -> None:
         if not self._admits(envelope, now):

@@ -8,7 +8,8 @@ failures. Covers: the engine on CUDA in the checkpoint's half type against float
 CPU, the runner's own CUDA stream, KV sizing from free device memory, the memory reader's
 CUDA figures, the sharded and on-demand loading modes (pinned memory, side stream, events)
 against full loading, INT8/INT4 on the device (the compute path `choose_path` picked), speculative
-decoding's verify steps, and a float16 KV pool beside the model's own dtype.
+decoding's verify steps, a float16 KV pool beside the model's own dtype, and the reference
+attention on the device.
 """
 from __future__ import annotations
 
@@ -133,8 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         return kv_dtype == torch.float16 and agreement >= 0.75, (
             f"KV {kv_dtype}, greedy agreement with the model's own KV dtype {agreement:.0%}")
 
+    def reference_attention():
+        # The per-sequence attention the tests trust, on the device (its masks must be made there).
+        engine = Engine.from_model_dir(MODEL_DIR, device=device, num_kv_blocks=256, attention="reference")
+        agreement = _agreement(_greedy(state["full"], prompts), _greedy(engine, prompts))
+        return agreement >= 0.9, f"greedy agreement with the batched attention {agreement:.0%}"
+
     check("engine in half precision vs float32 on the CPU", half_precision)
     if "full" in state:
+        check("the reference attention on the device", reference_attention)
         check("speculative decoding (prompt lookup) on the device", speculative)
         check("a float16 KV pool", kv_cache_dtype)
         check("runner owns a CUDA stream", runner_stream)

@@ -121,8 +121,8 @@ def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         vb = vb.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,lhd->hql", qb, kb) * scale  # [H, q, L]
         # Query i sits at position seq_len - q_len + i and sees keys at positions <= it.
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:start + q_len] = torch.einsum("hql,lhd->qhd", probs, vb).to(q.dtype)
