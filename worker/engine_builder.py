@@ -166,10 +166,9 @@ def _calibrate(target: _Target, model: Transformer, make_engine: Callable[[Engin
 def _assemble(target: _Target, model: Transformer, load_seconds: float,
               fast_path: CpuFastPath | None = None) -> EngineParts:
     config = target.config
-    dtype = model.compute_dtype
     # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
     sampler = Sampler(model.output_device, seed=config.seed)
-    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)  # from here on, the KV pools' element type
+    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.compute_dtype)  # the KV pools' element type
     num_blocks = _num_kv_blocks(target, model, sampler, dtype)
     kv_caches = allocate_kv_cache(model.config, num_blocks, config.block_size, dtype, model.layer_devices)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

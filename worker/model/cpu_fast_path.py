@@ -170,13 +170,12 @@ class CpuFastPath:
         # A head tied to the embedding keeps the float weight the lookup reads; panels are a copy.
         tied = isinstance(model.lm_head, Linear) and model.lm_head.weight is model.embed_tokens.weight
         self.head = _projection(kernels, model.lm_head, release_float_weights and not tied)
+        # One flag for the call: every quantized layer that can take int8 activations has them
+        # (use_int8_activations), and the call applies the same test to each projection.
+        self.int8_activations = any(isinstance(m, QuantizedLinear) and m.int8_activations for m in model.modules())
         # Every layer in one call needs every projection packed or quantized with our kernel as
         # its path; a quantized layer may take it for small steps only, its plan having measured
         # torch's kernels faster on large ones.
-        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        # One flag for the call: every quantized layer that can take int8 activations has them
-        # (use_int8_activations), and the call applies the same test to each projection.
-        self.int8_activations = any(m.int8_activations for m in quantized)
         self.one_call_tensors = self._all_layers(one_call, SMALL_ROWS)  # steps of up to SMALL_ROWS tokens
         self.one_call_tensors_large = self._all_layers(one_call, SMALL_ROWS + 1)  # larger ones
         self.prefill_kernel = bool(kernels.prefill_attention_supported(config.head_dim))

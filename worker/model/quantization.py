@@ -7,8 +7,9 @@ Pure tensor code. The stored formats are our own and device independent:
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
 float in registers, CPU only; or, opted in by `use_int8_activations`, quantize the activations
-per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or "dequant" (rebuild the float
-weight into a reused buffer, then the float matmul). A `QuantizationPlan`, one per model, gives
+per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or
+"dequant" (rebuild the float weight into a reused buffer, then the float matmul). A
+`QuantizationPlan`, one per model, gives
 decode-sized steps our kernel wherever it runs (else the faster of the others), times the paths
 on each kind of layer's own shape and device for prefill-sized steps, and owns the buffer the
 dequant path rebuilds weights into: nothing is kept process-wide, so one engine's choices never
