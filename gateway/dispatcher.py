@@ -190,16 +190,10 @@ class Dispatcher:
                 if not delta.finished:
                     stale.append(delta.request_id)  # cancelled, or moved on after a false death
                 continue
-            state.num_cached_tokens = max(state.num_cached_tokens, delta.num_cached_tokens)
+            state.note_worker_report(delta)
             if state.predicted_cached_tokens is not None and (delta.new_token_ids or delta.finished):
                 self.metrics.on_cache_prediction(worker_id, state.predicted_cached_tokens, delta.num_cached_tokens)
                 state.predicted_cached_tokens = None
-            if delta.prefill_ms:
-                state.prefill_ms, state.worker_queue_ms = delta.prefill_ms, delta.worker_queue_ms
-            state.num_preemptions = max(state.num_preemptions, delta.num_preemptions)
-            state.peak_kv_blocks = max(state.peak_kv_blocks, delta.peak_kv_blocks)
-            state.num_draft_tokens += delta.num_draft_tokens
-            state.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
             if delta.new_token_ids:
                 if state.last_token_s is not None:
                     self._itl_by_bucket[state.bucket].observe((now - state.last_token_s) / len(delta.new_token_ids))

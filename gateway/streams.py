@@ -87,6 +87,17 @@ class RequestState:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def note_worker_report(self, delta) -> None:
+        """Take the accounting a worker's delta (a worker.proto TokenDelta) carries: the highest
+        figures any of its workers reported, its own prefill timing, and the drafts summed."""
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prefill_ms:
+            self.prefill_ms, self.worker_queue_ms = delta.prefill_ms, delta.worker_queue_ms
+        self.num_preemptions = max(self.num_preemptions, delta.num_preemptions)
+        self.peak_kv_blocks = max(self.peak_kv_blocks, delta.peak_kv_blocks)
+        self.num_draft_tokens += delta.num_draft_tokens
+        self.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
+
     def on_tokens(self, token_ids: list[int], now_s: float, logprobs: list[TokenLogprob] | None = None) -> bool:
         """Record new tokens (and their log-probabilities) and queue their text; True if a stop string
         ended the request."""

@@ -29,11 +29,11 @@ BANNED = {
     "worker": {"gateway", "grpc", "deploy", "ray"},
     # The launchers drive the processes from outside: never their internals.
     "deploy": {"gateway", "worker", "torch"},
-    "worker/model": {"worker.engine", "worker.scheduler", "worker.block_manager", "worker.request",
-                     "worker.model_runner", "zmq", "grpc", "transformers"},
+    "worker/model": {"worker.engine", "worker.scheduler", "worker.scheduled_step", "worker.block_manager",
+                     "worker.request", "worker.model_runner", "zmq", "grpc", "transformers"},
 }
-PURE_PYTHON = ["worker/request.py", "worker/block_manager.py", "worker/scheduler.py", "worker/outputs.py",
-               "shared/engine_config.py"]
+PURE_PYTHON = ["worker/request.py", "worker/block_manager.py", "worker/scheduler.py", "worker/scheduled_step.py",
+               "worker/outputs.py", "shared/engine_config.py"]
 PURE_BANNED = {"torch", "numpy"}
 # Modules whose own imports are the standard library only (no project module either).
 STDLIB_ONLY = ["worker/block_manager.py", "shared/quantization_rule.py", "shared/supervisor.py", "shared/block_hash.py",
