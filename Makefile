@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway bench-llama-cpp bench-kv-cache experiments gpu-check lock protos clean
+.PHONY: run run-partitioned test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway bench-llama-cpp bench-kv-cache experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,10 @@ $(STAMP): requirements.lock pyproject.toml
 
 run: $(STAMP)
 	$(VENV)/bin/honcho start
+
+# Two gateways, each with a worker of its own, on gRPC ports 50051 and 50052 (Procfile.partitioned).
+run-partitioned: $(STAMP)
+	$(VENV)/bin/honcho start -f Procfile.partitioned
 
 # Regenerate protos/*_pb2*.py after editing a .proto (tests/test_protos.py checks they are current).
 protos: $(STAMP)

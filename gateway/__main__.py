@@ -14,6 +14,7 @@ import asyncio
 import logging
 import sys
 
+from gateway.listen import ListenError, check_can_listen
 from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args
 from shared.cpu_affinity import GATEWAY, pin_process
 from shared.ipc import EndpointInUseError, check_no_listener, remove_stale_ipc_socket
@@ -55,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server import Gateway
 
     async def run() -> int:
-        return await Gateway(config).serve()
+        try:
+            return await Gateway(config).serve()
+        except ListenError as e:  # raised only while binding, before anything is served
+            log.error("%s", e)
+            return 2
 
     return asyncio.run(run())
 
@@ -63,11 +68,15 @@ def main(argv: list[str] | None = None) -> int:
 def run_supervisor(config: ClusterConfig, child_args: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor gateway %(levelname)s %(message)s")
     endpoint = config.worker_endpoint
-    # A second cluster started on the same run_dir stops here, once, instead of its gateway
-    # failing the same check in a restart loop.
+    # A second cluster started on the same run_dir, or a gateway on a port that is taken, stops
+    # here, once, instead of its gateway failing the same check in a restart loop.
+    g = config.gateway
     try:
         check_no_listener(endpoint)
-    except EndpointInUseError as e:
+        check_can_listen(g.host, g.port, g.reuse_port, "gRPC", "gateway.port")
+        if g.http_port:
+            check_can_listen(g.host, g.http_port, g.reuse_port, "HTTP", "gateway.http_port")
+    except (EndpointInUseError, ListenError) as e:
         logging.getLogger("supervisor").error("%s", e)
         return 2
     max_backoff_s = max(config.gateway.restart_backoff_s, config.worker.max_restart_backoff_s)

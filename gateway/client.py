@@ -1,7 +1,9 @@
 """`python -m gateway.client "Once upon a time" --max-tokens 64`: stream a completion to the terminal.
 
 `python -m gateway.client status` prints each worker's health, load and memory as a table;
-`python -m gateway.client probe worker-0 --deep --memory` probes one worker.
+`python -m gateway.client probe worker-0 --deep --memory` probes one worker. `--address` takes
+one gateway or several, comma-separated (`host:port,host:port`): requests are balanced over them
+(gateway/gateway_pool.py), `status` prints each gateway's table and `probe` asks each in turn.
 Flags cover chat (`--chat`, `--system`), priority, sampling, log-probabilities, a session,
 structured output (`--json-schema`, `--regex`, `--choice`) and a timeout. `--api-key` (or
 INFERENCE_API_KEY) sends an API key; `--tls-ca FILE` connects over TLS trusting that CA (and
@@ -13,11 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
-from protos import inference_pb2, inference_pb2_grpc
+from gateway.gateway_pool import GatewayPool, parse_addresses
+from protos import inference_pb2
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in inference_pb2.FinishReason.items()}
 
@@ -56,17 +60,26 @@ def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
     return request
 
 
-def open_channel(args: argparse.Namespace) -> grpc.Channel:
-    """A channel to the gateway: TLS when --tls-ca is given, with the API key on every call."""
+def channel_opener(args: argparse.Namespace) -> Callable[[str], grpc.Channel]:
+    """How to open a channel to one gateway: TLS when --tls-ca is given."""
     if not args.tls_ca:
         if args.tls_cert or args.tls_key:
             raise SystemExit("--tls-cert and --tls-key need --tls-ca")
-        return grpc.insecure_channel(args.address)
+        return grpc.insecure_channel
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("give --tls-cert and --tls-key together")
     read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return grpc.secure_channel(args.address, grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key),
-                                                                          read(args.tls_cert)))
+    credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    return lambda address: grpc.secure_channel(address, credentials)
+
+
+def open_pool(args: argparse.Namespace) -> GatewayPool:
+    """The gateways of --address (one, or several comma-separated) behind one pool."""
+    try:
+        addresses = parse_addresses(args.address)
+    except ValueError as e:
+        raise SystemExit(f"--address: {e}") from None
+    return GatewayPool(addresses, channel_opener(args))
 
 
 def call_metadata(args: argparse.Namespace) -> tuple:
@@ -74,11 +87,10 @@ def call_metadata(args: argparse.Namespace) -> tuple:
 
 
 def generate(args: argparse.Namespace) -> int:
-    with open_channel(args) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    with open_pool(args) as pool:
         last, logprobs = None, []
         try:
-            for response in stub.Generate(build_request(args), timeout=args.timeout, metadata=call_metadata(args)):
+            for response in pool.generate(build_request(args), timeout=args.timeout, metadata=call_metadata(args)):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 logprobs.extend(response.logprobs)
@@ -100,27 +112,36 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    with open_channel(args) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        try:
-            cluster = stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=args.timeout,
-                                            metadata=call_metadata(args))
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    print(format_status(cluster))
-    return 0
+    """Each gateway's table, under its address when there are several (each owns its workers)."""
+    rc = 0
+    with open_pool(args) as pool:
+        for address in pool.addresses:
+            heading = f"gateway {address}:\n" if len(pool.addresses) > 1 else ""
+            try:
+                cluster = pool.stub(address).GetClusterStatus(inference_pb2.GetClusterStatusRequest(),
+                                                              timeout=args.timeout, metadata=call_metadata(args))
+            except grpc.RpcError as e:
+                print(f"{heading}error: {e.code().name}: {e.details()}", file=sys.stderr)
+                rc = 1
+                continue
+            print(heading + format_status(cluster))
+    return rc
 
 
 def probe(args: argparse.Namespace) -> int:
-    with open_channel(args) as channel:
-        stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        try:
-            reply = stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(
-                worker_id=args.worker_id, deep=args.deep, memory_report=args.memory), timeout=args.timeout,
-                metadata=call_metadata(args))
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+    """Probe the worker on whichever gateway owns it (the others answer NOT_FOUND)."""
+    request = inference_pb2.ProbeWorkerRequest(worker_id=args.worker_id, deep=args.deep, memory_report=args.memory)
+    with open_pool(args) as pool:
+        errors = []
+        for address in pool.addresses:
+            try:
+                reply = pool.stub(address).ProbeWorker(request, timeout=args.timeout, metadata=call_metadata(args))
+                break
+            except grpc.RpcError as e:
+                where = f"gateway {address}: " if len(pool.addresses) > 1 else ""
+                errors.append(f"{where}error: {e.code().name}: {e.details()}")
+        else:
+            print("\n".join(errors), file=sys.stderr)
             return 1
     print(f"{reply.worker_id}: {'ok' if reply.ok else 'FAILED'} in {reply.latency_ms:.1f} ms"
           f"{' - ' + reply.error if reply.error else ''}")
@@ -150,7 +171,9 @@ def format_status(cluster: inference_pb2.ClusterStatus) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--address", default="localhost:50051")
+    common.add_argument("--address", default="localhost:50051",
+                        help="the gateway's host:port, or several comma-separated: each request goes to one of "
+                             "them, a session's requests to the same one (gateway/gateway_pool.py)")
     common.add_argument("--timeout", type=float, default=None, help="the request's deadline in seconds")
     common.add_argument("--api-key", default=os.environ.get("INFERENCE_API_KEY"),
                         help="the API key (default: $INFERENCE_API_KEY)")
@@ -185,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", default=None, help="a system message (with --chat)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="print each token's log-probability and its N (0-5) most likely alternatives")
-    parser.add_argument("--session", default=None, help="a session id: its requests go to one worker")
+    parser.add_argument("--session", "--session-id", dest="session", default=None,
+                        help="a session id: its requests go to one gateway and one worker")
     parser.add_argument("--json-schema", default=None, metavar="JSON", help="constrain the output to this JSON Schema")
     parser.add_argument("--regex", default=None, help="constrain the output to match this regex")
     parser.add_argument("--choice", action="append", help="constrain the output to one of these (repeatable)")

@@ -4,8 +4,9 @@ on request bodies.
 uvicorn rather than a server of our own: it is the ASGI server FastAPI is built and tested
 against, and its httptools parser keeps HTTP's cost per request small. It runs as a task of the
 running loop, so a request handler calls the dispatcher directly (no threads, no locks); the
-gateway keeps its own signal handling (uvicorn's would replace it) and binds the socket itself,
-so a port that is taken fails the gateway's start with an OSError instead of exiting the process.
+gateway keeps its own signal handling (uvicorn's would replace it) and binds the socket itself
+(gateway/listen.py), so a port that is taken fails the gateway's start with a ListenError naming it
+instead of exiting the process, and several gateways may share the port (gateway.reuse_port).
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 
 import uvicorn
 from fastapi import HTTPException
+
+from gateway.listen import listen_socket
 
 log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 1  # after the gateway's own drain: connections still open are closed
@@ -85,20 +87,10 @@ class _InLoopServer(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app, host: str, port: int, max_body_bytes: int, on_refused=lambda request_id, message: None,
-                 tls=None):
-        """`tls`: a gateway.tls.TlsFiles to serve HTTPS (with client certificates when it names a CA)."""
-        # proto IPPROTO_TCP, not create_server's 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
-        # on sockets that say they are TCP, and with it on an event waits behind the headers for the
-        # client's delayed ACK (~40 ms to the first token on a kept-alive connection).
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-            self.sock.listen(1024)
-        except OSError:
-            self.sock.close()
-            raise
+                 tls=None, reuse_port: bool = False):
+        """`tls`: a gateway.tls.TlsFiles to serve HTTPS (with client certificates when it names a CA);
+        `reuse_port`: share host:port with other gateways (SO_REUSEPORT). A taken port is a ListenError."""
+        self.sock = listen_socket(host, port, reuse_port)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(BodyLimit(app, max_body_bytes, on_refused), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 
+from gateway.listen import metrics_taken
 from protos import worker_pb2
 
 # Sub-100 ms resolution for per-token latencies, seconds to minutes for whole requests.
@@ -106,7 +107,10 @@ class Metrics:
         self._last_counts: dict[tuple[str, str], tuple[str, int]] = {}
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise metrics_taken(host, port, e) from None
 
     # ---- workers ---------------------------------------------------------------------------------
     def on_heartbeat(self, worker_id: str, incarnation: str, hb: worker_pb2.Heartbeat) -> None:

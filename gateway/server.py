@@ -25,6 +25,7 @@ from gateway.auth import KeyStore, check_exposure, is_loopback
 from gateway.dispatcher import Dispatcher
 from gateway.http_api import OpenAiApi
 from gateway.http_server import HttpServer
+from gateway.listen import add_grpc_port, grpc_server_options
 from gateway.metrics import Metrics
 from gateway.relay import DeadlinePassed, event_batches
 from gateway.request_log import finish_request
@@ -224,22 +225,19 @@ class Gateway:
         self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
         self.admission = Admission(config, self.tokenizer, self.dispatcher, keys=self.keys)
         self.servicer = InferenceServicer(config, self.admission)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port))
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        address = f"{g.host}:{g.port}"
         tls = tls_files(g)
-        self.port = (self.server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
-                     else self.server.add_insecure_port(address))
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+        credentials = grpc_server_credentials(tls) if tls is not None else None
+        self.port = add_grpc_port(self.server, g.host, g.port, credentials, g.reuse_port)
         self.http: HttpServer | None = None
         if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
-            self.http = HttpServer(api.app, g.host, g.http_port, g.max_body_bytes, tls=tls,
+            self.http = HttpServer(api.app, g.host, g.http_port, g.max_body_bytes, tls=tls, reuse_port=g.reuse_port,
                                    on_refused=lambda request_id, message: api.refused(request_id, 413, message))
         self._stopped = asyncio.Event()
         self._health_names: set[str] = set()
@@ -280,9 +278,10 @@ class Gateway:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
         g = self.config.gateway
-        log.info("gateway listening on %s:%d (gRPC%s)%s, workers at %s; %s", g.host, self.port,
+        log.info("gateway listening on %s:%d (gRPC%s)%s%s, workers at %s; %s", g.host, self.port,
                  ", TLS" if g.tls_cert_file else "", f" and {self.http.port} (HTTP, OpenAI API)" if self.http else "",
-                 self.config.worker_endpoint, "API keys required" if self.keys.enabled else "no API keys")
+                 " shared with other gateways (reuse_port)" if g.reuse_port else "", self.config.worker_endpoint,
+                 "API keys required" if self.keys.enabled else "no API keys")
         await self._stopped.wait()
         return 0
 

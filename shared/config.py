@@ -64,6 +64,10 @@ class GatewayConfig:
     restart_backoff_s: float = 0.1
     # The OpenAI-compatible HTTP API (gateway/http_api.py) on `host`; 0 turns it off.
     http_port: int = 8080
+    # Let several gateway processes on this host share `port` and `http_port` (SO_REUSEPORT): the
+    # kernel spreads new connections over them, not requests (docs/deployment.md). Each keeps its
+    # own metrics_port and worker_endpoint, which must differ. Off: a taken port fails the start.
+    reuse_port: bool = False
     served_model_name: str = ""  # the `model` clients name; "" = the model folder's name
     max_body_bytes: int = 16 << 20  # an HTTP body beyond this is refused 413 before it is parsed
     max_n: int = 16  # choices per request (`n`)
