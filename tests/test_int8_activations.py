@@ -13,6 +13,7 @@ from shared.quantization_rule import QuantizationRule
 from shared.sampling_params import SamplingParams
 from worker.model import cpu_kernels
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
+from worker.model.int8_activation_panels import from_panels, to_panels
 from worker.model.quantization import QuantizedLinear, dequantize, quantize, use_int8_activations
 from worker.model.quantize_model import quantize_model
 from worker.model.weights import load_model
@@ -44,19 +45,46 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
     g = torch.Generator().manual_seed(bits * 1000 + in_features)
     weight = torch.randn(37, in_features, generator=g)  # a ragged last tile of weight rows
     qw = quantize(weight, bits, group_size=group_size or 128)
+    panels = to_panels(qw.qweight, bits, in_features, qw.group_size)
     for rows in (1, 2, 3, 4, 7):
         x = torch.randn(rows, in_features, generator=g)
         x[0, :32] = 0.0  # an all-zero block has scale 0
         out = torch.empty(rows, 37)
         if bits == 8:
-            kernels.linear_int8_weights_int8_activations(x, qw.qweight, qw.scales, out)
+            kernels.linear_int8_weights_int8_activations(x, panels, qw.scales, out)
         else:
-            kernels.linear_int4_weights_int8_activations(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, out)
+            kernels.linear_int4_weights_int8_activations(x, panels, qw.scales, qw.zeros, qw.group_size, out)
         want = _reference(x, qw)
         torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
         # And close to the weight-only product: the rounding of x is at most 1/254 of its block's range.
         exact = x.double() @ dequantize(qw).double().t()
         assert (out.double() - exact).norm() < 0.02 * exact.norm(), rows
+
+
+@pytest.mark.parametrize("bits, in_features, group_size", [(8, 96, 0), (4, 192, 96), (4, 96, 32), (4, 256, 128)])
+def test_a_layer_holds_its_weight_once_as_panels_and_saves_it_row_major(bits, in_features, group_size):
+    g = torch.Generator().manual_seed(in_features + group_size)
+    qw = quantize(torch.randn(10, in_features, generator=g), bits, group_size=group_size or 128)
+    assert torch.equal(from_panels(to_panels(qw.qweight, bits, in_features, qw.group_size), bits, qw.shape,
+                                   qw.group_size), qw.qweight)
+    layer = QuantizedLinear(qw)
+    x = torch.randn(3, in_features, generator=g)
+    before = layer(x)  # weight-only
+    saved = {k: v.clone() for k, v in layer.state_dict().items()}
+    model = torch.nn.Sequential(layer)
+    assert use_int8_activations(model) == (1, 1)
+    assert "qweight" not in layer._buffers and layer.kernel_weight().dim() == 3  # one copy: the panels
+    assert torch.equal(layer.qweight, qw.qweight)  # read back row-major
+    state = layer.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    after = layer(x)
+    assert (after - before).norm() < 0.02 * before.norm()  # x rounded per block, nothing else
+    # A checkpoint loads into a layer with panels, which keeps them; and into a fresh shell.
+    layer.load_state_dict(saved)
+    assert "qweight" not in layer._buffers and torch.equal(layer(x), after)
+    shell = QuantizedLinear.empty(bits, qw.shape, qw.group_size)
+    shell.load_state_dict(state)
+    assert torch.equal(shell(x), before)
 
 
 def test_layers_whose_shape_takes_no_int8_blocks_keep_float_activations():

@@ -66,7 +66,7 @@ class ModuleLinear:
             return None
         if (m.small_path if rows <= SMALL_ROWS else m.path) != "ours" or m.bits not in (8, 4):
             return None
-        return [m.qweight, m.scales, m.zeros if m.bits == 4 else None, m.input_scale, m.bias]
+        return [m.kernel_weight(), m.scales, m.zeros if m.bits == 4 else None, m.input_scale, m.bias]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         y = self.forward(x)
@@ -170,8 +170,7 @@ class CpuFastPath:
         # A head tied to the embedding keeps the float weight the lookup reads; panels are a copy.
         tied = isinstance(model.lm_head, Linear) and model.lm_head.weight is model.embed_tokens.weight
         self.head = _projection(kernels, model.lm_head, release_float_weights and not tied)
-        # One flag for the call: every quantized layer that can take int8 activations has them
-        # (use_int8_activations), and the call applies the same test to each projection.
+        # For the description: the call itself tells int8-activation layers by their weights' layout.
         self.int8_activations = any(isinstance(m, QuantizedLinear) and m.int8_activations for m in model.modules())
         # Every layer in one call needs every projection packed or quantized with our kernel as
         # its path; a quantized layer may take it for small steps only, its plan having measured
@@ -213,7 +212,7 @@ class CpuFastPath:
                 x, one_call, cos, sin, meta.slot_mapping, [k for k, _ in kv_caches],
                 [v for _, v in kv_caches], meta.block_tables, meta.seq_lens, meta.prefill_query_starts,
                 meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-                self.scale, self.eps, self.int8_activations)
+                self.scale, self.eps)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 x = self._layer(layer, x, cos, sin, k_cache, v_cache, meta)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model import cpu_kernels
+from worker.model.int8_activation_panels import from_panels, to_panels
 
 INT4_GROUP_SIZE = 128
 SMALL_ROWS = 32  # at or below, a step is decode-sized: reading the weight dominates
@@ -135,7 +136,12 @@ class QuantizedLinear(nn.Module):
     and an optional `bias`, so `state_dict` saves it and a shell from `empty` loads it back.
     `input_scale` is activation-aware scaling (worker/model/calibration.py): the stored
     weight is W / input_scale per input channel, so salient channels were quantized larger.
-    `plan` is the model's QuantizationPlan (a layer made on its own gets a plan of its own)."""
+    `plan` is the model's QuantizationPlan (a layer made on its own gets a plan of its own).
+
+    With int8 activations (`use_int8_activations`) the weight is held as the panels those kernels
+    read (worker/model/int8_activation_panels.py) instead of row-major: one copy, not two.
+    Reading `qweight` then rebuilds the row-major weight each time (a read-only copy), and
+    `state_dict()` still saves it row-major."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                  path: str = "dequant", input_scale: torch.Tensor | None = None,
@@ -171,6 +177,42 @@ class QuantizedLinear(nn.Module):
         return cls(qw, torch.empty(n) if has_bias else None, dtype,
                    input_scale=torch.empty(k) if has_input_scale else None)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as our kernels take it: the int8-activation panels where held, else qweight."""
+        panels = self._buffers.get("qweight_panels")
+        return self.qweight if panels is None else panels
+
+    def hold_int8_activation_panels(self) -> None:
+        """Hold the weight as int8-activation panels and drop the row-major copy."""
+        if "qweight_panels" in self._buffers:
+            return
+        panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
+        del self._buffers["qweight"]
+        self.register_buffer("qweight_panels", panels, persistent=False)
+
+    def _row_major_from_panels(self) -> torch.Tensor:
+        return from_panels(self._buffers["qweight_panels"], self.bits, self.shape, self.group_size)
+
+    def __getattr__(self, name: str):
+        if name == "qweight" and "qweight_panels" in self._buffers:
+            return self._row_major_from_panels()
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Panels or not, the layer saves what a checkpoint holds: the row-major weight.
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "qweight_panels" in self._buffers:
+            destination[prefix + "qweight"] = self._row_major_from_panels()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        panels = self._buffers.pop("qweight_panels", None)
+        if panels is None:
+            return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # Loaded row-major, as saved, then held as panels again.
+        self.register_buffer("qweight", from_panels(panels, self.bits, self.shape, self.group_size))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.hold_int8_activation_panels()
+
     @property
     def qw(self) -> QuantizedWeight:
         return QuantizedWeight(self.bits, self.qweight, self.scales, self.zeros, self.shape, self.group_size)
@@ -187,7 +229,7 @@ class QuantizedLinear(nn.Module):
         """The float weight as stored (W / input_scale), rebuilt into the scratch buffer that every
         layer of the plan on this device shares (a buffer per layer would hold a float copy of
         every weight, undoing what quantization saved). Valid until the next layer's call."""
-        buffer = self.plan.scratch(self.shape, self.scales.dtype, self.qweight.device)
+        buffer = self.plan.scratch(self.shape, self.scales.dtype, self.scales.device)
         if self.bits == 8:
             torch.mul(self.qweight.to(buffer.dtype), self.scales[:, None], out=buffer)
         else:
@@ -209,11 +251,12 @@ class QuantizedLinear(nn.Module):
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         if self.bits == 8 and self.int8_activations:
-            kernels.linear_int8_weights_int8_activations(x, self.qweight, self.scales, out)
+            kernels.linear_int8_weights_int8_activations(x, self.kernel_weight(), self.scales, out)
         elif self.bits == 8:
             kernels.linear_small_batch_int8(x, self.qweight, self.scales, out)
         elif self.int8_activations:
-            kernels.linear_int4_weights_int8_activations(x, self.qweight, self.scales, self.zeros, self.group_size, out)
+            kernels.linear_int4_weights_int8_activations(x, self.kernel_weight(), self.scales, self.zeros,
+                                                         self.group_size, out)
         else:
             kernels.linear_small_batch_int4(x, self.qweight, self.scales, self.zeros, self.group_size, out)
         return out
@@ -222,7 +265,7 @@ class QuantizedLinear(nn.Module):
         """Whether our integer kernels can run this layer: ours available, and K and the group
         size whole blocks of 32."""
         kernels = cpu_kernels.load()
-        return (self.path_available("ours", self.qweight.device) and kernels is not None
+        return (self.path_available("ours", self.scales.device) and kernels is not None
                 and kernels.int8_activations_supported(self.in_features, self.group_size or self.in_features))
 
     def path_available(self, path: str, device: torch.device) -> bool:
@@ -257,7 +300,7 @@ class QuantizedLinear(nn.Module):
 def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
     """Time every available path on `rows` rows of this layer's shape and device and keep the
     fastest correct one for steps of that size (`small_path` up to SMALL_ROWS rows, else `path`)."""
-    x = torch.randn(rows, layer.in_features, dtype=layer.scales.dtype, device=layer.qweight.device)
+    x = torch.randn(rows, layer.in_features, dtype=layer.scales.dtype, device=layer.scales.device)
     scaled = x if layer.input_scale is None else x * layer.input_scale
     reference = F.linear(scaled, layer.dequantized())
     attribute = "small_path" if rows <= SMALL_ROWS else "path"
@@ -291,12 +334,14 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
     """Quantize the activations of every quantized layer that can take it (`takes_int8_activations`)
     per 32-block to int8, and run it through our integer kernels at every step size: a token's
     result then never depends on the step it ran in (decode, prompt chunk, recompute after
-    preemption). (layers switched, quantized layers in all)."""
+    preemption). Each switched layer holds its weight as those kernels' panels. (layers switched,
+    quantized layers in all)."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     switched = 0
     for layer in layers:
         if layer.takes_int8_activations():
             layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
+            layer.hold_int8_activation_panels()
             switched += 1
     return switched, len(layers)
 
@@ -328,13 +373,13 @@ class QuantizationPlan:
         """(small_path, path) for `layer`, now in use: one decode-sized and one prefill-sized
         measurement per kind of layer in this plan (every decoder layer repeats the same shapes,
         and timing each of a large model's hundreds of projections would cost minutes at start)."""
-        key = (layer.bits, layer.shape, layer.group_size, layer.qweight.device, layer.scales.dtype)
+        key = (layer.bits, layer.shape, layer.group_size, layer.scales.device, layer.scales.dtype)
         if key not in self._paths:
             # Decode-sized steps take our kernel wherever it runs, untimed: it lets the CPU fast
             # path run every layer of a step in one call, a saving a per-layer timing cannot see,
             # and a route that follows the machine's load at start would make a restarted worker
             # compute (and round) differently.
-            ours = layer.path_available("ours", layer.qweight.device)
+            ours = layer.path_available("ours", layer.scales.device)
             small = "ours" if ours else choose_path(layer, rows=4, repeats=PATH_TIMING_REPEATS)
             self._paths[key] = (small, choose_path(layer, rows=128, repeats=PATH_TIMING_REPEATS))
         layer.small_path, layer.path = self._paths[key]

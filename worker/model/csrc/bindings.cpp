@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_activations_supported", &int8_activations_supported,
         "whether a layer of this in_features and group size takes the int8-activation kernels");
   m.def("linear_int8_weights_int8_activations", &linear_int8_weights_int8_activations,
-        "out = x @ dequant(int8 weight).T with x quantized per 32-block to int8, integer block dots");
+        "out = x @ dequant(int8 weight panels).T with x quantized per 32-block to int8, integer block dots");
   m.def("linear_int4_weights_int8_activations", &linear_int4_weights_int8_activations,
-        "out = x @ dequant(int4 weight).T with x quantized per 32-block to int8, integer block dots");
+        "out = x @ dequant(int4 weight panels).T with x quantized per 32-block to int8, integer block dots");
 }

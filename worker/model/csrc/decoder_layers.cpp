@@ -4,9 +4,9 @@
 // dispatch between about a hundred small calls for a model's layers is a large share of the
 // step (docs/benchmarks.md); here it is a few C++ calls per layer. Qwen3's per-head q/k norms
 // run in place in qkv, before the rotary embedding. A projection is a float one (packed panels,
-// float32 or bfloat16) or a weight-only quantized one (INT8 per channel, INT4 per group), told
-// apart by its weight's dtype, each through the kernel its layer-by-layer route takes
-// (linear.cpp).
+// float32 or bfloat16) or a quantized one (INT8 per channel, INT4 per group), told apart by its
+// weight's dtype and layout, each through the kernel its layer-by-layer route takes: weight-only
+// (linear.cpp) for row-major weights, int8 activations for panels (linear_int8_activations.cpp).
 #include "kernels.h"
 
 #include <optional>
@@ -15,7 +15,8 @@
 namespace {
 
 // Per projection, in the order the Python side lists them (LayerWeights.one_call_tensors): the
-// weight (float32 or bfloat16 panels, int8 [N, K] or uint8 [N, K/2]), its scales and zeros (quantized
+// weight (float32 or bfloat16 panels; int8 [N, K] or uint8 [N, K/2], or either as int8-activation
+// panels, 3-D), its scales and zeros (quantized
 // only; zeros INT4 only), the input scale x is multiplied by first (quantized only, optional)
 // and the bias (optional).
 enum ProjectionTensor { kWeight, kScales, kZeros, kInputScale, kBias, kNumProjectionTensors };
@@ -44,9 +45,9 @@ bool valid_projection(const LayerTensors& layer, int first) {
   return false;
 }
 
-// out [T, N] = x @ W^T (+ bias), by the projection's kind; with `int8_activations`, a quantized
-// projection that takes them (int8_activations_supported) quantizes x per 32-block first.
-void project(const at::Tensor& x, const LayerTensors& layer, int first, bool int8_activations, at::Tensor out) {
+// out [T, N] = x @ W^T (+ bias), by the projection's kind; a quantized weight held as
+// int8-activation panels quantizes x per 32-block first.
+void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tensor out) {
   const at::Tensor& weight = *layer[first + kWeight];
   if (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) {
     linear_packed(x, weight, out);
@@ -54,15 +55,15 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, bool int
     const auto& input_scale = layer[first + kInputScale];
     const at::Tensor input = input_scale ? (x * *input_scale) : x.contiguous();
     const at::Tensor& scales = *layer[first + kScales];
-    const int64_t in_features = input.size(1);
+    const bool int8_activations = weight.dim() == 3;
     if (weight.dtype() == at::kChar) {
-      if (int8_activations && int8_activations_supported(in_features, in_features))
+      if (int8_activations)
         linear_int8_weights_int8_activations(input, weight, scales, out);
       else
         linear_small_batch_int8(input, weight, scales, out);
     } else {
-      const int64_t group_size = in_features / scales.size(1);
-      if (int8_activations && int8_activations_supported(in_features, group_size))
+      const int64_t group_size = input.size(1) / scales.size(1);
+      if (int8_activations)
         linear_int4_weights_int8_activations(input, weight, scales, *layer[first + kZeros], group_size, out);
       else
         linear_small_batch_int4(input, weight, scales, *layer[first + kZeros], group_size, out);
@@ -77,7 +78,7 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
                           at::Tensor slot_mapping, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                           at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts, int64_t num_decodes,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                          double scale, double eps, bool int8_activations) {
+                          double scale, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.dtype() == at::kFloat, "x: contiguous float32 [T, hidden]");
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_layers = static_cast<int64_t>(layers.size());
@@ -109,7 +110,7 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
   rms_norm(residual, *layers[0][kInputNorm], eps, normed);
   for (int64_t l = 0; l < num_layers; ++l) {
     const LayerTensors& layer = layers[l];
-    project(normed, layer, kQkv, int8_activations, qkv);
+    project(normed, layer, kQkv, qkv);
     if (layer[kQNorm]) head_rms_norm(qkv, *layer[kQNorm], *layer[kKNorm], num_heads, num_kv_heads, eps);
     rotary_and_write_kv(qkv, cos, sin, slot_mapping, k_caches[l], v_caches[l], num_heads);
     at::Tensor attended = attention;
@@ -129,12 +130,12 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<LayerTensors> layers, at::Te
                               seq_lens.narrow(0, num_decodes, num_seqs - num_decodes), query_starts, scale,
                               attention.narrow(0, num_decodes, tokens - num_decodes));
     }
-    project(attended.view({tokens, q_size}), layer, kOut, int8_activations, spare);
+    project(attended.view({tokens, q_size}), layer, kOut, spare);
     add_rms_norm(spare, residual, *layer[kPostNorm], eps, normed);  // spare = residual + attention
     std::swap(residual, spare);
-    project(normed, layer, kGateUp, int8_activations, gate_up);
+    project(normed, layer, kGateUp, gate_up);
     silu_and_mul(gate_up, activation);
-    project(activation, layer, kDown, int8_activations, spare);
+    project(activation, layer, kDown, spare);
     if (l + 1 < num_layers) {
       add_rms_norm(spare, residual, *layers[l + 1][kInputNorm], eps, normed);  // spare = residual + mlp
     } else {

@@ -1,6 +1,6 @@
 // The AVX-512 VNNI tiles of the int8-activation kernels (linear_int8_activations.cpp says what
-// they compute): two blocks of 32 per 512-bit register. Empty where the compiler does not target
-// AVX-512 F, BW, VL and VNNI.
+// they compute): one slot of two blocks of 32 per 512-bit register. Empty where the compiler
+// does not target AVX-512 F, BW, VL and VNNI.
 #pragma once
 
 #include "int8_activations.h"
@@ -15,100 +15,93 @@ namespace int8_activations {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_AVX512_VNNI 1
-constexpr int64_t kSlot = 2 * kBlock;  // input features per 512-bit step: two blocks
-constexpr int64_t kPrefetchTiles = 2;  // how far ahead (in tiles of kCols weight rows) rows are prefetched
+constexpr int64_t kPrefetchTiles = 2;  // how far ahead (in tiles of kCols weight rows) panels are prefetched
 
-// x [M, K] for the 512-bit tiles: per row, per group, ceil(G / 64) slots of 64 bytes, each two
-// blocks (a group's odd last block padded with zeros) laid out as the weight's register holds
-// them, with 16 lane scales per slot (the lanes of the int32 products each block's sums land in).
+// x [M, K] for the 512-bit tiles: per row, the weights' slots (int8_activations.h) in order, each
+// 64 bytes of xq (a group's odd last block zeros), with 16 lane scales per slot (the lanes of the
+// int32 products each block's sums land in: 8 per block) and, for int8 weights, 16 lane offsets:
+// -128 x each lane's sum of 4 xq, what the weights' + 128 adds to the products.
 struct SlottedActivations {
-  std::vector<uint8_t> bytes;  // int8 weights: xq + 128, in order; int4: xq, [evens b, evens b+1, odds b, odds b+1]
+  std::vector<int8_t> bytes;
   std::vector<float> lane_scales;
-  int64_t slots_per_group = 0, slots_per_row = 0;
+  std::vector<int32_t> lane_offsets;
+  int64_t slots_per_row = 0;
 };
 
 SlottedActivations slot_activations(const QuantizedActivations& a, int64_t rows, int64_t in_features,
                                     int64_t group_size, bool int8_weights) {
   SlottedActivations s;
-  s.slots_per_group = (group_size + kSlot - 1) / kSlot;
-  s.slots_per_row = s.slots_per_group * (in_features / group_size);
-  s.bytes.assign(rows * s.slots_per_row * kSlot, int8_weights ? 128 : 0);  // 128: xq 0
+  const int64_t slots_per_group = (group_size + kSlot - 1) / kSlot, blocks_per_group = group_size / kBlock;
+  s.slots_per_row = slots_per_group * (in_features / group_size);
+  s.bytes.assign(rows * s.slots_per_row * kSlot, 0);
   s.lane_scales.assign(rows * s.slots_per_row * 16, 0.f);
-  const int64_t blocks_per_group = group_size / kBlock;
+  if (int8_weights) s.lane_offsets.assign(rows * s.slots_per_row * 16, 0);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < in_features / group_size; ++g)
       for (int64_t local = 0; local < blocks_per_group; ++local) {
         const int64_t b = g * blocks_per_group + local, half = local % 2;
-        const int64_t slot = m * s.slots_per_row + g * s.slots_per_group + local / 2;
+        const int64_t slot = m * s.slots_per_row + g * slots_per_group + local / 2;
         const int8_t* q = a.q.data() + m * in_features + b * kBlock;
-        uint8_t* out = s.bytes.data() + slot * kSlot;
-        float* scales = s.lane_scales.data() + slot * 16;
-        const float scale = a.scales[m * a.blocks_per_row + b];
-        if (int8_weights) {
-          for (int64_t l = 0; l < kBlock; ++l) out[half * kBlock + l] = static_cast<uint8_t>(q[l] + 128);
-          for (int l = 0; l < 8; ++l) scales[half * 8 + l] = scale;
-        } else {
-          for (int64_t l = 0; l < kBlock / 2; ++l) {
-            out[half * 16 + l] = static_cast<uint8_t>(q[2 * l]);
-            out[32 + half * 16 + l] = static_cast<uint8_t>(q[2 * l + 1]);
-          }
-          for (int l = 0; l < 4; ++l) scales[half * 4 + l] = scales[8 + half * 4 + l] = scale;
-        }
+        std::copy(q, q + kBlock, s.bytes.data() + slot * kSlot + half * kBlock);
+        std::fill_n(s.lane_scales.data() + slot * 16 + half * 8, 8, a.scales[m * a.blocks_per_row + b]);
+        if (int8_weights)
+          for (int l = 0; l < 8; ++l)
+            s.lane_offsets[slot * 16 + half * 8 + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
       }
   return s;
 }
 
-// R rows of x by C weight rows, every group of K: out (through `total`) before the int4 zero term.
-// `ahead`: the weight rows of a tile this thread takes later, prefetched a slot at a time as
-// these are read, so they stream in from memory during this tile's compute (or nullptr).
+// R rows of x by C weight rows (column tile `tile`), every group of K: out (through `total`)
+// before the int4 zero term. `ahead`: this thread's panel kPrefetchTiles later, prefetched a unit
+// at a time as this one is read, so it streams in from memory during this tile's compute.
 template <int64_t R, int64_t C, bool kInt8>
-inline void tile_avx512(const SlottedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
-                        const float* weight_scales, int64_t in_features, int64_t group_size, int64_t m0, int64_t n0,
-                        const uint8_t* ahead, float total[kRows][kCols]) {
-  const int64_t num_groups = in_features / group_size;
-  __m512 sum[R][C];
+inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
+                        int64_t num_groups, int64_t m0, int64_t tile, bool ahead, float total[kRows][kCols]) {
+  const int64_t n0 = tile * kCols;
+  __m512 sum[R][C], acc[R][C];
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) sum[i][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    __m512 acc[R][C];
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t local = 0; local < a.slots_per_group; ++local) {
-      const int64_t k = g * group_size + local * kSlot;
-      const bool whole = k + kSlot <= (g + 1) * group_size;
-      const int64_t slot = g * a.slots_per_group + local;
-      __m512i w[C], start[C];
-      if (ahead != nullptr)
-        for (int64_t j = 0; j < kCols; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * weight_row_bytes + (kInt8 ? k : k / 2)), _MM_HINT_T0);
-      for (int64_t j = 0; j < C; ++j) {
-        const uint8_t* row = weights + (n0 + j) * weight_row_bytes;
-        if constexpr (kInt8) {
-          w[j] = _mm512_maskz_loadu_epi8(whole ? ~__mmask64{0} : __mmask64{0xFFFFFFFF}, row + k);
-          // -128 x the sums of 4 weights per lane: what xq + 128 adds.
-          start[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), w[j]));
-        } else {
-          const __m256i packed = _mm256_maskz_loadu_epi8(whole ? ~__mmask32{0} : __mmask32{0xFFFF}, row + k / 2);
-          const __m256i mask = _mm256_set1_epi8(0x0F);
-          w[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
-                                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
-          start[j] = _mm512_setzero_si512();
-        }
-      }
-      for (int64_t i = 0; i < R; ++i) {
-        const int64_t at = (m0 + i) * a.slots_per_row + slot;
-        const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
-        const __m512 scales = _mm512_loadu_ps(a.lane_scales.data() + at * 16);
-        for (int64_t j = 0; j < C; ++j) {
-          const __m512i products = kInt8 ? _mm512_dpbusd_epi32(start[j], x, w[j]) : _mm512_dpbusd_epi32(start[j], w[j], x);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(products), scales, acc[i][j]);
-        }
-      }
+    for (int64_t j = 0; j < C; ++j) sum[i][j] = acc[i][j] = _mm512_setzero_ps();
+  int64_t group = 0, slots_left = panels.slots_per_group;  // the group being summed; its slots to go
+  // Adds slot `slot` of x against the weights' bytes w[j], and closes its group where it ends.
+  auto add_slot = [&](int64_t slot, const __m512i* w) {
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t at = (m0 + i) * a.slots_per_row + slot;
+      const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
+      const __m512 scales = _mm512_loadu_ps(a.lane_scales.data() + at * 16);
+      const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + at * 16) : _mm512_setzero_si512();
+      for (int64_t j = 0; j < C; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[j], x)), scales, acc[i][j]);
     }
-    for (int64_t j = 0; j < C; ++j) {
-      const __m512 scale = _mm512_set1_ps(weight_scales[(n0 + j) * num_groups + g]);
-      for (int64_t i = 0; i < R; ++i) sum[i][j] = _mm512_fmadd_ps(acc[i][j], scale, sum[i][j]);
+    if (--slots_left == 0) {
+      for (int64_t j = 0; j < C; ++j) {
+        const __m512 scale = _mm512_set1_ps(weight_scales[(n0 + j) * num_groups + group]);
+        for (int64_t i = 0; i < R; ++i) {
+          sum[i][j] = _mm512_fmadd_ps(acc[i][j], scale, sum[i][j]);
+          acc[i][j] = _mm512_setzero_ps();
+        }
+      }
+      ++group;
+      slots_left = panels.slots_per_group;
+    }
+  };
+  for (int64_t u = 0; u < panels.units_per_row; ++u) {
+    if (ahead) {
+      for (int64_t j = 0; j < kCols; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(panels.unit(tile + kPrefetchTiles, u, j)), _MM_HINT_T0);
+    }
+    __m512i w[C];
+    for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(panels.unit(tile, u, j));
+    if constexpr (kInt8) {
+      add_slot(u, w);
+    } else {
+      const __m512i mask = _mm512_set1_epi8(0x0F);
+      __m512i nibbles[C];
+      for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(w[j], mask);
+      add_slot(2 * u, nibbles);
+      if (2 * u + 1 < panels.slots_per_row) {
+        for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(_mm512_srli_epi16(w[j], 4), mask);
+        add_slot(2 * u + 1, nibbles);
+      }
     }
   }
   for (int64_t i = 0; i < R; ++i)
@@ -116,42 +109,39 @@ inline void tile_avx512(const SlottedActivations& a, const uint8_t* weights, int
 }
 
 template <int64_t R, bool kInt8>
-inline void tile_avx512_columns(const SlottedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
-                                const float* weight_scales, int64_t in_features, int64_t group_size, int64_t m0,
-                                int64_t n0, int64_t n_count, const uint8_t* ahead, float total[kRows][kCols]) {
+inline void tile_avx512_columns(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
+                                int64_t num_groups, int64_t m0, int64_t tile, int64_t n_count, bool ahead,
+                                float total[kRows][kCols]) {
   static_assert(kCols == 4, "one case per column count below");
   switch (n_count) {
-    case 4: return tile_avx512<R, 4, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
-    case 3: return tile_avx512<R, 3, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
-    case 2: return tile_avx512<R, 2, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
-    default: return tile_avx512<R, 1, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0, ahead, total);
+    case 4: return tile_avx512<R, 4, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
+    case 3: return tile_avx512<R, 3, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
+    case 2: return tile_avx512<R, 2, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
+    default: return tile_avx512<R, 1, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
   }
 }
 
 // `finish_zero(m, n)`: the int4 zero-point term (0 for int8).
 template <bool kInt8, typename FinishZero>
-void int8_activation_tiles_avx512(const QuantizedActivations& q, const uint8_t* weights, int64_t weight_row_bytes,
-                                  const float* weight_scales, int64_t rows, int64_t in_features, int64_t out_features,
-                                  int64_t group_size, float* out_ptr, FinishZero finish_zero) {
+void int8_activation_tiles_avx512(const QuantizedActivations& q, const WeightPanels& panels, const float* weight_scales,
+                                  int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
+                                  float* out_ptr, FinishZero finish_zero) {
   const SlottedActivations a = slot_activations(q, rows, in_features, group_size, kInt8);
+  const int64_t num_groups = in_features / group_size;
   for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
-                                                                     int64_t m_count, int64_t n0, int64_t n_count,
+                                                                     int64_t m_count, int64_t, int64_t n_count,
                                                                      float total[kRows][kCols]) {
-    // Prefetched once, by the first row tile: later ones find the rows in cache.
-    const int64_t ahead_tile = column_tile + kPrefetchTiles;
-    const uint8_t* ahead = m0 == 0 && ahead_tile + 1 < end ? weights + ahead_tile * kCols * weight_row_bytes : nullptr;
+    // Prefetched once, by the first row tile: later ones find the panel in cache.
+    const bool ahead = m0 == 0 && column_tile + kPrefetchTiles < end;
     static_assert(kRows == 3, "one case per row count below");
     if (m_count == 3)
-      tile_avx512_columns<3, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0,
-                                    n_count, ahead, total);
+      tile_avx512_columns<3, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, total);
     else if (m_count == 2)
-      tile_avx512_columns<2, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0,
-                                    n_count, ahead, total);
+      tile_avx512_columns<2, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, total);
     else
-      tile_avx512_columns<1, kInt8>(a, weights, weight_row_bytes, weight_scales, in_features, group_size, m0, n0,
-                                    n_count, ahead, total);
+      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, total);
     for (int64_t i = 0; i < m_count; ++i)
-      for (int64_t j = 0; j < n_count; ++j) total[i][j] += finish_zero(m0 + i, n0 + j);
+      for (int64_t j = 0; j < n_count; ++j) total[i][j] += finish_zero(m0 + i, column_tile * kCols + j);
   });
 }
 #endif

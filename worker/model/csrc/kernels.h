@@ -30,8 +30,8 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
 
 // linear_int8_activations.cpp
 bool int8_activations_supported(int64_t in_features, int64_t group_size);
-void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out);
-void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
+void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor out);
+void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor zeros,
                                           int64_t group_size, at::Tensor out);
 
 // pointwise.cpp
@@ -47,5 +47,4 @@ at::Tensor decoder_layers(at::Tensor x, std::vector<std::vector<std::optional<at
                           at::Tensor sin, at::Tensor slot_mapping, std::vector<at::Tensor> k_caches,
                           std::vector<at::Tensor> v_caches, at::Tensor block_tables, at::Tensor seq_lens,
                           at::Tensor query_starts, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, int64_t intermediate_size, double scale, double eps,
-                          bool int8_activations);
+                          int64_t head_dim, int64_t intermediate_size, double scale, double eps);

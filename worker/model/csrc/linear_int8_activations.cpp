@@ -3,19 +3,19 @@
 // llama.cpp's q8_0 activations), and each block's dot product with the weight is an integer one,
 // four 8-bit products per 32-bit lane in one instruction where the CPU has VNNI (AVX-512 VNNI or
 // AVX-VNNI; AVX2's maddubs + madd pair otherwise), then scaled by the block's activation scale in
-// float32. The weights are the weight-only formats of linear.cpp, read in place:
-//   int8 [N, K] in -127..127 (quantize_int8's range: the sign trick below cannot negate -128),
+// float32. The weights are the weight-only formats of linear.cpp laid out as panels
+// (int8_activations.h, worker/model/int8_activation_panels.py), so each tile reads one stream:
+//   int8 in -127..127 (quantize_int8's range: the sign trick below cannot negate -128),
 //        per-row scales: y = scale[n] * sum_b xs[b] * (xq_b . q[n]_b);
-//   int4 [N, K/2] unsigned nibbles with per-group scales and zeros (group size a multiple of 32):
+//   int4 unsigned nibbles with per-group scales and zeros (group size a multiple of 32):
 //        y = sum_g scale[n, g] * sum_{b in g} xs[b] * (xq_b . q[n]_b) + zero[n, g] * sum(xs xq_g),
 //        so either way y is the rounded x against the dequantized weight.
-// The unsigned operand of the u8 x s8 product is the weight's nibble against xq (int4); for int8
-// it is |xq| against the weight carrying xq's sign (AVX2), or xq + 128 against the weight with
-// 128 x (the weight's block sum) subtracted in the accumulator it starts from (AVX-512, which
-// has no byte sign instruction; the correction is one product per weight row, shared by every
-// row of x). With AVX-512 two blocks go through one 512-bit register, each lane scaled by its
-// own block's activation scale; a group's sum is scaled by the weight's group scale in vector
-// form and reduced once per output.
+// With AVX-512 the unsigned operand of the u8 x s8 product is the weight (int4's nibble, or
+// int8's weight + 128 as stored, whose offset x's lane sums take back out in the accumulator
+// the product starts from: one set per row of x, shared by every weight row), two blocks to a
+// 512-bit register, each lane scaled by its own block's activation scale; a group's sum is
+// scaled by the weight's group scale in vector form and reduced once per output. AVX2 has a byte
+// sign instruction, so int8 there is |xq| against the weight carrying xq's sign.
 #include "kernels.h"
 #include "int8_activations.h"
 #include "int8_activations_avx512.h"
@@ -77,6 +77,19 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   return a;
 }
 
+// The 32 bytes of block `local` of group g of weight row j of a tile: int8 weights + 128, or
+// bytes whose nibbles at `shift` are the int4 weights.
+struct BlockBytes {
+  const uint8_t* bytes;
+  int shift;
+};
+
+inline BlockBytes block_bytes(const WeightPanels& panels, bool int8, int64_t tile, int64_t j, int64_t g, int64_t local) {
+  const int64_t slot = g * panels.slots_per_group + local / 2, half = local % 2;
+  if (int8) return {panels.unit(tile, slot, j) + half * kBlock, 0};
+  return {panels.unit(tile, slot / 2, j) + half * kBlock, static_cast<int>(4 * (slot % 2))};
+}
+
 #ifdef HAVE_AVX2_FMA
 // 8 int32 lanes, each the sum of 4 products of unsigned u and signed s bytes.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -90,32 +103,25 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-// 16 bytes of nibbles (element 2j low, 2j+1 high) -> the 32 elements as bytes, in order.
-inline __m256i unpack_int4(const uint8_t* bytes) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-  return _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
-}
-
-// One tile of R rows of x by C weight rows; per group, a float accumulator per (row, weight row).
+// One tile of R rows of x by C weight rows (column tile `tile`); per group, a float accumulator
+// per (row, weight row).
 template <int64_t R, int64_t C, bool kInt8, typename Finish>
-inline void tile_avx2(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
-                      int64_t in_features, int64_t group_size, int64_t m0, int64_t n0, float total[kRows][kCols],
-                      Finish& finish) {
+inline void tile_avx2(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
+                      int64_t group_size, int64_t m0, int64_t tile, float total[kRows][kCols], Finish& finish) {
   for (int64_t g = 0; g < in_features / group_size; ++g) {
     __m256 acc[R][C];
     for (int64_t i = 0; i < R; ++i)
       for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kBlock) {
-      const int64_t b = k / kBlock;
+    for (int64_t local = 0; local < group_size / kBlock; ++local) {
+      const int64_t k = g * group_size + local * kBlock, b = k / kBlock;
       for (int64_t j = 0; j < C; ++j) {
-        const uint8_t* row = weights + (n0 + j) * weight_row_bytes;
+        const BlockBytes block = block_bytes(panels, kInt8, tile, j, g, local);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.bytes));
         __m256i w;
         if constexpr (kInt8)
-          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+          w = _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
         else
-          w = unpack_int4(row + k / 2);
+          w = _mm256_and_si256(block.shift ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
         for (int64_t i = 0; i < R; ++i) {
           const int64_t at = (m0 + i) * in_features + k;
           const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at));
@@ -131,20 +137,21 @@ inline void tile_avx2(const QuantizedActivations& a, const uint8_t* weights, int
       }
     }
     for (int64_t i = 0; i < R; ++i)
-      for (int64_t j = 0; j < C; ++j) total[i][j] += finish(m0 + i, n0 + j, g, horizontal_sum(acc[i][j]));
+      for (int64_t j = 0; j < C; ++j)
+        total[i][j] += finish(m0 + i, tile * kCols + j, g, horizontal_sum(acc[i][j]));
   }
 }
 
 template <int64_t R, bool kInt8, typename Finish>
-inline void tile_columns(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
-                         int64_t in_features, int64_t group_size, int64_t m0, int64_t n0, int64_t n_count,
-                         float total[kRows][kCols], Finish& finish) {
+inline void tile_columns(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
+                         int64_t group_size, int64_t m0, int64_t tile, int64_t n_count, float total[kRows][kCols],
+                         Finish& finish) {
   static_assert(kCols == 4, "one case per column count below");
   switch (n_count) {
-    case 4: return tile_avx2<R, 4, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
-    case 3: return tile_avx2<R, 3, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
-    case 2: return tile_avx2<R, 2, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
-    default: return tile_avx2<R, 1, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, total, finish);
+    case 4: return tile_avx2<R, 4, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
+    case 3: return tile_avx2<R, 3, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
+    case 2: return tile_avx2<R, 2, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
+    default: return tile_avx2<R, 1, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
   }
 }
 #endif
@@ -152,44 +159,43 @@ inline void tile_columns(const QuantizedActivations& a, const uint8_t* weights, 
 
 // The portable tile: the same integer block dots, scaled and summed in float per group.
 template <bool kInt8, typename Finish>
-inline void tile_portable(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
-                          int64_t in_features, int64_t group_size, int64_t m0, int64_t m_count, int64_t n0,
-                          int64_t n_count, float total[kRows][kCols], Finish& finish) {
+inline void tile_portable(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
+                          int64_t group_size, int64_t m0, int64_t m_count, int64_t tile, int64_t n_count,
+                          float total[kRows][kCols], Finish& finish) {
   for (int64_t g = 0; g < in_features / group_size; ++g)
     for (int64_t i = 0; i < m_count; ++i)
       for (int64_t j = 0; j < n_count; ++j) {
-        const uint8_t* row = weights + (n0 + j) * weight_row_bytes;
         float sum = 0.f;
-        for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kBlock) {
+        for (int64_t local = 0; local < group_size / kBlock; ++local) {
+          const BlockBytes block = block_bytes(panels, kInt8, tile, j, g, local);
+          const int64_t k = g * group_size + local * kBlock;
           int32_t dot = 0;
-          for (int64_t l = k; l < k + kBlock; ++l) {
-            const int32_t w = kInt8 ? static_cast<int8_t>(row[l]) : ((row[l / 2] >> (4 * (l % 2))) & 0x0F);
-            dot += w * a.q[(m0 + i) * in_features + l];
+          for (int64_t l = 0; l < kBlock; ++l) {
+            const int32_t w = kInt8 ? block.bytes[l] - 128 : (block.bytes[l] >> block.shift) & 0x0F;
+            dot += w * a.q[(m0 + i) * in_features + k + l];
           }
           sum += static_cast<float>(dot) * a.scales[(m0 + i) * a.blocks_per_row + k / kBlock];
         }
-        total[i][j] += finish(m0 + i, n0 + j, g, sum);
+        total[i][j] += finish(m0 + i, tile * kCols + j, g, sum);
       }
 }
 
 template <bool kInt8, typename Finish>
-void int8_activation_tiles(const QuantizedActivations& a, const uint8_t* weights, int64_t weight_row_bytes,
-                           int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
-                           float* out_ptr, Finish finish) {
-  for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t, int64_t, int64_t m0, int64_t m_count,
-                                                                     int64_t n0, int64_t n_count,
+void int8_activation_tiles(const QuantizedActivations& a, const WeightPanels& panels, int64_t rows, int64_t in_features,
+                           int64_t out_features, int64_t group_size, float* out_ptr, Finish finish) {
+  for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t tile, int64_t, int64_t m0,
+                                                                     int64_t m_count, int64_t, int64_t n_count,
                                                                      float total[kRows][kCols]) {
 #ifdef HAVE_AVX2_FMA
     static_assert(kRows == 3, "one case per row count below");
     if (m_count == 3)
-      tile_columns<3, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, n_count, total, finish);
+      tile_columns<3, kInt8>(a, panels, in_features, group_size, m0, tile, n_count, total, finish);
     else if (m_count == 2)
-      tile_columns<2, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, n_count, total, finish);
+      tile_columns<2, kInt8>(a, panels, in_features, group_size, m0, tile, n_count, total, finish);
     else
-      tile_columns<1, kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, n0, n_count, total, finish);
+      tile_columns<1, kInt8>(a, panels, in_features, group_size, m0, tile, n_count, total, finish);
 #else
-    tile_portable<kInt8>(a, weights, weight_row_bytes, in_features, group_size, m0, m_count, n0, n_count, total,
-                         finish);
+    tile_portable<kInt8>(a, panels, in_features, group_size, m0, m_count, tile, n_count, total, finish);
 #endif
   });
 }
@@ -202,6 +208,22 @@ void check_args(const at::Tensor& x, const at::Tensor& scales, const at::Tensor&
               out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
 }
 
+// The panels of an [out_features, in_features] weight in groups of group_size, checked.
+WeightPanels panels_of(const at::Tensor& panels, bool int8, int64_t out_features, int64_t in_features,
+                       int64_t group_size) {
+  WeightPanels p;
+  p.slots_per_group = (group_size + kSlot - 1) / kSlot;
+  p.slots_per_row = p.slots_per_group * (in_features / group_size);
+  p.units_per_row = int8 ? p.slots_per_row : (p.slots_per_row + 1) / 2;
+  TORCH_CHECK(panels.dtype() == (int8 ? at::kChar : at::kByte) && panels.is_contiguous() && panels.dim() == 3 &&
+              panels.size(0) == (out_features + kCols - 1) / kCols && panels.size(1) == p.units_per_row * kCols &&
+              panels.size(2) == 64,
+              "weight: contiguous ", int8 ? "int8" : "uint8", " panels [ceil(N/4), ", p.units_per_row * kCols,
+              ", 64] (worker/model/int8_activation_panels.py)");
+  p.data = reinterpret_cast<const uint8_t*>(panels.data_ptr());
+  return p;
+}
+
 }  // namespace int8_activations
 
 using namespace int8_activations;
@@ -210,39 +232,37 @@ bool int8_activations_supported(int64_t in_features, int64_t group_size) {
   return in_features % kBlock == 0 && group_size % kBlock == 0;
 }
 
-// x [M, K] float32, qweight [N, K] int8 in -127..127, scales [N] float32 -> out [M, N].
-void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out) {
-  TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && qweight.size(1) == x.size(1),
-              "qweight: contiguous int8 [N, K]");
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = qweight.size(0);
+// x [M, K] float32, the int8 weight in -127..127 as panels, scales [N] float32 -> out [M, N].
+void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor out) {
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = scales.size(0);
   check_args(x, scales, out, out_features);
+  const WeightPanels weights = panels_of(panels, true, out_features, in_features, in_features);
   const float* s = scales.data_ptr<float>();
 #ifdef HAVE_AVX512_VNNI
   const QuantizedActivations q = quantize_activations(x.data_ptr<float>(), rows, in_features, false);
-  int8_activation_tiles_avx512<true>(q, reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), in_features, s,
-                                     rows, in_features, out_features, in_features, out.data_ptr<float>(),
+  int8_activation_tiles_avx512<true>(q, weights, s, rows, in_features, out_features, in_features, out.data_ptr<float>(),
                                      [](int64_t, int64_t) { return 0.f; });
   return;
 #endif
   const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, in_features, true);
-  int8_activation_tiles<true>(a, reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>()), in_features, rows,
-                              in_features, out_features, in_features, out.data_ptr<float>(),
+  int8_activation_tiles<true>(a, weights, rows, in_features, out_features, in_features, out.data_ptr<float>(),
                               [&](int64_t, int64_t n, int64_t, float dot) { return s[n] * dot; });
 }
 
-// x [M, K] float32, qweight [N, K/2] uint8 nibbles, scales and zeros [N, K/G] float32, G a
+// x [M, K] float32, the int4 weight (nibbles) as panels, scales and zeros [N, K/G] float32, G a
 // multiple of 32 -> out [M, N].
-void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
+void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor zeros,
                                           int64_t group_size, at::Tensor out) {
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = qweight.size(0);
-  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == in_features,
-              "qweight: contiguous uint8 [N, K/2]");
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = scales.size(0);
   TORCH_CHECK(group_size % kBlock == 0 && in_features % group_size == 0,
               "the group size must be a multiple of 32 that tiles K for int8 activations");
   TORCH_CHECK(zeros.dtype() == at::kFloat && zeros.is_contiguous(), "zeros: contiguous float32");
   check_args(x, scales, out, out_features);
+  const WeightPanels weights = panels_of(panels, false, out_features, in_features, group_size);
   const float* x_ptr = x.data_ptr<float>();
   const int64_t num_groups = in_features / group_size;
+  TORCH_CHECK(scales.dim() == 2 && scales.size(1) == num_groups && zeros.sizes() == scales.sizes(),
+              "scales and zeros: [N, K / group_size]");
   const QuantizedActivations a = quantize_activations(x_ptr, rows, in_features, false);
   // sum(x_g) of the rounded x, for the zero-point term: the result is then the rounded x against
   // the dequantized weight, whose error has no bias (an exact sum against the rounded dots would
@@ -257,8 +277,8 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::
   const float* s = scales.data_ptr<float>();
   const float* z = zeros.data_ptr<float>();
 #ifdef HAVE_AVX512_VNNI
-  int8_activation_tiles_avx512<false>(a, qweight.data_ptr<uint8_t>(), in_features / 2, s, rows, in_features,
-                                      out_features, group_size, out.data_ptr<float>(), [&](int64_t m, int64_t n) {
+  int8_activation_tiles_avx512<false>(a, weights, s, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                                      [&](int64_t m, int64_t n) {
                                         float zero_term = 0.f;
                                         for (int64_t g = 0; g < num_groups; ++g)
                                           zero_term += z[n * num_groups + g] * x_sums[m * num_groups + g];
@@ -266,8 +286,8 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor qweight, at::
                                       });
   return;
 #endif
-  int8_activation_tiles<false>(a, qweight.data_ptr<uint8_t>(), in_features / 2, rows, in_features, out_features,
-                               group_size, out.data_ptr<float>(), [&](int64_t m, int64_t n, int64_t g, float dot) {
+  int8_activation_tiles<false>(a, weights, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                               [&](int64_t m, int64_t n, int64_t g, float dot) {
                                  return s[n * num_groups + g] * dot + z[n * num_groups + g] * x_sums[m * num_groups + g];
                                });
 }
