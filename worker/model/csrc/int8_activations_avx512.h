@@ -43,7 +43,10 @@ SlottedActivations slot_activations(const QuantizedActivations& a, int64_t rows,
         const int64_t slot = m * s.slots_per_row + g * slots_per_group + local / 2;
         const int8_t* q = a.q.data() + m * in_features + b * kBlock;
         std::copy(q, q + kBlock, s.bytes.data() + slot * kSlot + half * kBlock);
-        std::fill_n(s.lane_scales.data() + slot * 16 + half * 8, 8, a.scales[m * a.blocks_per_row + b]);
+        // An int4 unit's second slot is read as its high nibbles in place (16 x the weight): its
+        // scales carry the 1/16, exactly, as a power of two.
+        const float unit_scale = !int8_weights && (g * slots_per_group + local / 2) % 2 ? 1.f / 16 : 1.f;
+        std::fill_n(s.lane_scales.data() + slot * 16 + half * 8, 8, a.scales[m * a.blocks_per_row + b] * unit_scale);
         if (int8_weights)
           for (int l = 0; l < 8; ++l)
             s.lane_offsets[slot * 16 + half * 8 + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
@@ -94,12 +97,12 @@ inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels,
     if constexpr (kInt8) {
       add_slot(u, w);
     } else {
-      const __m512i mask = _mm512_set1_epi8(0x0F);
       __m512i nibbles[C];
-      for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(w[j], mask);
+      for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(w[j], _mm512_set1_epi8(0x0F));
       add_slot(2 * u, nibbles);
       if (2 * u + 1 < panels.slots_per_row) {
-        for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(_mm512_srli_epi16(w[j], 4), mask);
+        // 16 x the high nibbles (at most 240 x 127 x 4 per lane): no shift; the slot's scales hold the 1/16.
+        for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(w[j], _mm512_set1_epi8(static_cast<char>(0xF0)));
         add_slot(2 * u + 1, nibbles);
       }
     }
