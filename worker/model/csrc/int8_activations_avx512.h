@@ -93,17 +93,20 @@ inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels,
         _mm_prefetch(reinterpret_cast<const char*>(panels.unit(tile + kPrefetchTiles, u, j)), _MM_HINT_T0);
     }
     __m512i w[C];
-    for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(panels.unit(tile, u, j));
     if constexpr (kInt8) {
+      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(panels.unit(tile, u, j));
       add_slot(u, w);
     } else {
-      __m512i nibbles[C];
-      for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(w[j], _mm512_set1_epi8(0x0F));
-      add_slot(2 * u, nibbles);
+      // Each slot loads the unit again (from L1) rather than keep it: with 3 rows of x, 4 more
+      // registers held across both slots would spill the accumulators.
+      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(panels.unit(tile, u, j)),
+                                                              _mm512_set1_epi8(0x0F));
+      add_slot(2 * u, w);
       if (2 * u + 1 < panels.slots_per_row) {
         // 16 x the high nibbles (at most 240 x 127 x 4 per lane): no shift; the slot's scales hold the 1/16.
-        for (int64_t j = 0; j < C; ++j) nibbles[j] = _mm512_and_si512(w[j], _mm512_set1_epi8(static_cast<char>(0xF0)));
-        add_slot(2 * u + 1, nibbles);
+        for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(panels.unit(tile, u, j)),
+                                                                _mm512_set1_epi8(static_cast<char>(0xF0)));
+        add_slot(2 * u + 1, w);
       }
     }
   }

@@ -1,0 +1,51 @@
+"""The int8-activation kernels' narrower instruction-set paths. This machine builds the AVX-512
+VNNI tiles; a CPU without AVX-512 runs the AVX2 tiles, and one without AVX2 the portable loop.
+Each is built here with the wider instructions turned off and held to the same float64 statement
+of the arithmetic as the native build (tests/test_int8_activations.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.model import cpu_kernels
+from worker.model.int8_activation_panels import to_panels
+from worker.model.quantization import dequantize, quantize
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")]
+
+BUILDS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+
+def _build(name: str, flags: list[str], folder):
+    from torch.utils.cpp_extension import load
+    folder.mkdir(parents=True, exist_ok=True)
+    return load(name=f"int8_activations_{name}", sources=[str(cpu_kernels._SOURCE_DIR / s) for s in cpu_kernels._SOURCES],
+                build_directory=str(folder), extra_cflags=["-O1", "-march=native", *flags, "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127.0)).view_as(x)
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_path_factory):
+    kernels = _build(build, BUILDS[build], tmp_path_factory.mktemp(build))
+    for bits, in_features, group_size in ((8, 256, 0), (8, 96, 0), (4, 256, 128), (4, 96, 32), (4, 192, 96)):
+        g = torch.Generator().manual_seed(bits * 1000 + in_features)
+        qw = quantize(torch.randn(37, in_features, generator=g), bits, group_size=group_size or 128)
+        panels = to_panels(qw.qweight, bits, in_features, qw.group_size)
+        for rows in (1, 3, 7):
+            x = torch.randn(rows, in_features, generator=g)
+            x[0, :32] = 0.0
+            out = torch.empty(rows, 37)
+            if bits == 8:
+                kernels.linear_int8_weights_int8_activations(x, panels, qw.scales, out)
+            else:
+                kernels.linear_int4_weights_int8_activations(x, panels, qw.scales, qw.zeros, qw.group_size, out)
+            want = _rounded(x).double() @ dequantize(qw).double().t()
+            torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
