@@ -84,6 +84,17 @@ def sampling_batch(seqs: list[SequenceStep]) -> SamplingBatch:
         if s.draft_token_ids and s.constraint is not None:
             # One matcher state cannot mask several positions; the engine never drafts for these.
             raise ValueError("a constrained sequence cannot verify a draft")
+        if not s.draft_token_ids:
+            # The common row (no draft): the sequence as it stands, without the per-position copies below.
+            if s.needs_sample:
+                params.append(s.params)
+                generators.append(s.generator)
+                histories.append(s.token_history)
+                outputs.append(s.output_token_ids)
+                constraints.append(s.constraint)
+                eos.append(s.eos_token_ids)
+                seeds.append(s.seed)
+            continue
         p = s.params
         reads_history = p.repetition_penalty != 1.0
         reads_outputs = bool(p.presence_penalty or p.frequency_penalty or p.min_tokens)
@@ -141,8 +152,15 @@ class ModelRunner:
             "logits_indices": torch.zeros(self.max_num_samples, **int64, pin_memory=is_cuda),
             "block_tables": torch.zeros(max_num_seqs, self.max_blocks_per_seq, **int64, pin_memory=is_cuda),
         }
+        # numpy views of the host buffers: a step writes its Python lists through them, far cheaper
+        # than building a tensor from each list and copying it in.
+        self._host_arrays = {name: t.numpy() for name, t in self._host.items()}
         self._device = ({name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
                         if is_cuda else self._host)
+        # (name, rows[, width]) -> (host view, device view) of a buffer's front: slicing a tensor costs
+        # more than a dict lookup, and a step's sizes repeat. At most one entry per size a buffer takes.
+        self._fronts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._logits_rows: dict[int, torch.Tensor] = {}  # R -> self.logits[:R], likewise
         self.logits = torch.zeros(self.max_num_samples, model.config.vocab_size,
                                   dtype=model.compute_dtype, device=self.output_device)
         # Fault injection for tests: called with a step's sequences before its forward; it may
@@ -210,9 +228,17 @@ class ModelRunner:
             if not sampled:
                 return [None] * len(seqs)
             sampled_seqs = [seqs[order[j]] for j in sampled]
-            logits = self.logits[:logits_indices.shape[0]]
-            logits_indices = logits_indices.to(self.output_device, non_blocking=True)
-            computes.compute_logits(hidden.index_select(0, logits_indices), out=logits)  # [R, V]
+            num_samples = len(logits_indices)
+            logits = self._logits_rows.get(num_samples)
+            if logits is None:
+                logits = self._logits_rows[num_samples] = self.logits[:num_samples]
+            if num_samples == hidden.shape[0]:
+                # Every token is sampled (indices ascend and are distinct, so they are 0..T-1): no gather.
+                sampled_hidden = hidden
+            else:
+                index = self._stage("logits_indices", logits_indices).to(self.output_device, non_blocking=True)
+                sampled_hidden = hidden.index_select(0, index)
+            computes.compute_logits(sampled_hidden, out=logits)  # [R, V]
             result = self.sampler(logits, sampling_batch(sampled_seqs))
         results: list[SampledToken | list[SampledToken] | None] = [None] * len(seqs)
         start = 0
@@ -242,21 +268,25 @@ class ModelRunner:
                              f"its logits buffer holds (a draft longer than speculative_ngram_max_k?)")
         meta = AttentionMetadata.build([s.block_table for s in seqs], [s.context_len for s in seqs],
                                        [len(s.new_token_ids) for s in seqs], self.block_size, put=self._stage)
-        return (self._stage("input_ids", input_ids), self._stage("positions", positions), meta,
-                self._stage("logits_indices", logits_indices), sampled)
+        # logits_indices stay a list: a step that samples every token needs no gather, so no tensor.
+        return self._stage("input_ids", input_ids), self._stage("positions", positions), meta, logits_indices, sampled
 
     def _stage(self, name: str, values: list) -> torch.Tensor:
         """`values` written into the front of the preallocated buffer `name`: on CUDA into its
         pinned host twin first, then copied asynchronously on the runner's stream. Returns the
         device view."""
-        values = torch.tensor(values, dtype=torch.int64)
-        front = tuple(slice(0, n) for n in values.shape)  # [:n] or [:rows, :width]
-        host = self._host[name][front]
-        host.copy_(values)
-        if self._device is self._host:  # the CPU: the buffers are the step's tensors
-            return host
-        device = self._device[name][front]
-        device.copy_(host, non_blocking=True)
+        # [:n], or [:rows, :width] for the block tables (their rows are padded to one width).
+        key = (name, len(values), len(values[0])) if name == "block_tables" else (name, len(values))
+        front = tuple(slice(0, n) for n in key[1:])
+        self._host_arrays[name][front] = values
+        views = self._fronts.get(key)
+        if views is None:
+            host = self._host[name][front]
+            device = host if self._device is self._host else self._device[name][front]
+            views = self._fronts[key] = (host, device)
+        host, device = views
+        if device is not host:  # CUDA; on the CPU the buffers are the step's tensors
+            device.copy_(host, non_blocking=True)
         return device
 
     @torch.inference_mode()

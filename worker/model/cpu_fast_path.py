@@ -178,6 +178,9 @@ class CpuFastPath:
         self.one_call_tensors = self._all_layers(one_call, SMALL_ROWS)  # steps of up to SMALL_ROWS tokens
         self.one_call_tensors_large = self._all_layers(one_call, SMALL_ROWS + 1)  # larger ones
         self.prefill_kernel = bool(kernels.prefill_attention_supported(config.head_dim))
+        # What a step without prompt chunks passes as their starts: the call reads them only for
+        # chunks, and building the metadata's own tensor would cost every decode step a conversion.
+        self._no_chunk_starts = torch.zeros(1, dtype=torch.int64)
 
     def _all_layers(self, one_call: bool, rows: int) -> list | None:
         tensors = [layer.one_call_tensors(rows) for layer in self.layers]
@@ -203,14 +206,18 @@ class CpuFastPath:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
-        x = F.embedding(input_ids, self.embedding).float()  # [T, hidden] (a bf16 table's rows widened)
+        x = F.embedding(input_ids, self.embedding)  # [T, hidden]
+        if x.dtype != torch.float32:  # a bf16 table's rows widened; a float32 one's taken as they are
+            x = x.float()
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] each
         one_call = self._one_call_for(x.shape[0])
-        if one_call is not None and (self.prefill_kernel or meta.num_decodes == x.shape[0]):
+        all_decodes = meta.num_decodes == x.shape[0]
+        if one_call is not None and (self.prefill_kernel or all_decodes):
             # x is the call's scratch: it comes back as the residual stream after the last layer.
+            chunk_starts = self._no_chunk_starts if all_decodes else meta.prefill_query_starts
             x = self.kernels.decoder_layers(
                 x, one_call, cos, sin, meta.slot_mapping, [k for k, _ in kv_caches],
-                [v for _, v in kv_caches], meta.block_tables, meta.seq_lens, meta.prefill_query_starts,
+                [v for _, v in kv_caches], meta.block_tables, meta.seq_lens, chunk_starts,
                 meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
                 self.scale, self.eps)
         else:
