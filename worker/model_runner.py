@@ -152,17 +152,11 @@ class ModelRunner:
             "logits_indices": torch.zeros(self.max_num_samples, **int64, pin_memory=is_cuda),
             "block_tables": torch.zeros(max_num_seqs, self.max_blocks_per_seq, **int64, pin_memory=is_cuda),
         }
-        # numpy views of the host buffers: a step writes its Python lists through them, far cheaper
-        # than building a tensor from each list and copying it in.
-        self._host_arrays = {name: t.numpy() for name, t in self._host.items()}
         self._device = ({name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()}
                         if is_cuda else self._host)
-        # (name, rows[, width]) -> (host view, device view) of a buffer's front: slicing a tensor costs
-        # more than a dict lookup, and a step's sizes repeat. At most one entry per size a buffer takes.
-        self._fronts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._logits_rows: dict[int, torch.Tensor] = {}  # R -> self.logits[:R], likewise
         self.logits = torch.zeros(self.max_num_samples, model.config.vocab_size,
                                   dtype=model.compute_dtype, device=self.output_device)
+        self.index_buffers()
         # Fault injection for tests: called with a step's sequences before its forward; it may
         # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
         self.fault_hook: Callable[[list[SequenceStep]], None] | None = None
@@ -270,6 +264,17 @@ class ModelRunner:
                                        [len(s.new_token_ids) for s in seqs], self.block_size, put=self._stage)
         # logits_indices stay a list: a step that samples every token needs no gather, so no tensor.
         return self._stage("input_ids", input_ids), self._stage("positions", positions), meta, logits_indices, sampled
+
+    def index_buffers(self) -> None:
+        """(Re)build the views a step reaches its buffers through; called again by whatever
+        replaces `_host`, `_device` or `logits`."""
+        # numpy views of the host buffers: a step writes its Python lists through them, far cheaper
+        # than building a tensor from each list and copying it in.
+        self._host_arrays = {name: t.numpy() for name, t in self._host.items()}
+        # (name, rows[, width]) -> (host view, device view) of a buffer's front: slicing a tensor costs
+        # more than a dict lookup, and a step's sizes repeat. At most one entry per size a buffer takes.
+        self._fronts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._logits_rows: dict[int, torch.Tensor] = {}  # R -> self.logits[:R], likewise
 
     def _stage(self, name: str, values: list) -> torch.Tensor:
         """`values` written into the front of the preallocated buffer `name`: on CUDA into its

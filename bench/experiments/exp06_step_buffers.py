@@ -34,6 +34,7 @@ class AllocatingRunner(ModelRunner):
         self._device = (self._host if self.device.type == "cpu"
                         else {name: torch.zeros_like(t, device=self.device) for name, t in self._host.items()})
         self.logits = torch.zeros_like(self.logits)
+        self.index_buffers()
         self.bytes_allocated_per_step = step_buffer_bytes(self)
         return super()._prepare(seqs)
 
