@@ -25,22 +25,22 @@ struct SlottedActivations {
   std::vector<int8_t> bytes;
   std::vector<float> lane_scales;
   std::vector<int32_t> lane_offsets;
-  int64_t slots_per_row = 0;
 };
 
-SlottedActivations slot_activations(const QuantizedActivations& a, int64_t rows, int64_t in_features,
-                                    int64_t group_size, bool int8_weights) {
+// x in the slots of `panels` (their slot counts), whose groups are group_size features.
+SlottedActivations slot_activations(const QuantizedActivations& a, const WeightPanels& panels, int64_t rows,
+                                    int64_t in_features, int64_t group_size, bool int8_weights) {
   SlottedActivations s;
-  const int64_t slots_per_group = (group_size + kSlot - 1) / kSlot, blocks_per_group = group_size / kBlock;
-  s.slots_per_row = slots_per_group * (in_features / group_size);
-  s.bytes.assign(rows * s.slots_per_row * kSlot, 0);
-  s.lane_scales.assign(rows * s.slots_per_row * 16, 0.f);
-  if (int8_weights) s.lane_offsets.assign(rows * s.slots_per_row * 16, 0);
+  const int64_t slots_per_group = panels.slots_per_group, slots_per_row = panels.slots_per_row;
+  const int64_t blocks_per_group = group_size / kBlock;
+  s.bytes.assign(rows * slots_per_row * kSlot, 0);
+  s.lane_scales.assign(rows * slots_per_row * 16, 0.f);
+  if (int8_weights) s.lane_offsets.assign(rows * slots_per_row * 16, 0);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < in_features / group_size; ++g)
       for (int64_t local = 0; local < blocks_per_group; ++local) {
         const int64_t b = g * blocks_per_group + local, half = local % 2;
-        const int64_t slot = m * s.slots_per_row + g * slots_per_group + local / 2;
+        const int64_t slot = m * slots_per_row + g * slots_per_group + local / 2;
         const int8_t* q = a.q.data() + m * in_features + b * kBlock;
         std::copy(q, q + kBlock, s.bytes.data() + slot * kSlot + half * kBlock);
         // An int4 unit's second slot is read as its high nibbles in place (16 x the weight): its
@@ -68,7 +68,7 @@ inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels,
   // Adds slot `slot` of x against the weights' bytes w[j], and closes its group where it ends.
   auto add_slot = [&](int64_t slot, const __m512i* w) {
     for (int64_t i = 0; i < R; ++i) {
-      const int64_t at = (m0 + i) * a.slots_per_row + slot;
+      const int64_t at = (m0 + i) * panels.slots_per_row + slot;
       const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
       const __m512 scales = _mm512_loadu_ps(a.lane_scales.data() + at * 16);
       const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + at * 16) : _mm512_setzero_si512();
@@ -132,7 +132,7 @@ template <bool kInt8, typename FinishZero>
 void int8_activation_tiles_avx512(const QuantizedActivations& q, const WeightPanels& panels, const float* weight_scales,
                                   int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
                                   float* out_ptr, FinishZero finish_zero) {
-  const SlottedActivations a = slot_activations(q, rows, in_features, group_size, kInt8);
+  const SlottedActivations a = slot_activations(q, panels, rows, in_features, group_size, kInt8);
   const int64_t num_groups = in_features / group_size;
   for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
                                                                      int64_t m_count, int64_t, int64_t n_count,
