@@ -69,6 +69,8 @@ class ModuleLinear:
         return [m.kernel_weight(), m.scales, m.zeros if m.bits == 4 else None, m.input_scale, m.bias]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None and isinstance(self.module, QuantizedLinear):
+            return self.module.forward_into(x, out)
         y = self.forward(x)
         return y if out is None else out.copy_(y)
 
@@ -206,23 +208,23 @@ class CpuFastPath:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed)."""
+        num_tokens = input_ids.shape[0]
+        one_call = self._one_call_for(num_tokens)
+        all_decodes = meta.num_decodes == num_tokens
+        if one_call is not None and (self.prefill_kernel or all_decodes):
+            # The embedding lookup, the rotary tables' rows and the final norm are in the call too.
+            chunk_starts = self._no_chunk_starts if all_decodes else meta.prefill_query_starts
+            return self.kernels.decoder_layers(
+                input_ids, self.embedding, positions, self.cos, self.sin, self.norm_weight, one_call,
+                meta.slot_mapping, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.block_tables,
+                meta.seq_lens, chunk_starts, meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.intermediate_size, self.scale, self.eps)
         x = F.embedding(input_ids, self.embedding)  # [T, hidden]
         if x.dtype != torch.float32:  # a bf16 table's rows widened; a float32 one's taken as they are
             x = x.float()
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] each
-        one_call = self._one_call_for(x.shape[0])
-        all_decodes = meta.num_decodes == x.shape[0]
-        if one_call is not None and (self.prefill_kernel or all_decodes):
-            # x is the call's scratch: it comes back as the residual stream after the last layer.
-            chunk_starts = self._no_chunk_starts if all_decodes else meta.prefill_query_starts
-            x = self.kernels.decoder_layers(
-                x, one_call, cos, sin, meta.slot_mapping, [k for k, _ in kv_caches],
-                [v for _, v in kv_caches], meta.block_tables, meta.seq_lens, chunk_starts,
-                meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size,
-                self.scale, self.eps)
-        else:
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x = self._layer(layer, x, cos, sin, k_cache, v_cache, meta)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = self._layer(layer, x, cos, sin, k_cache, v_cache, meta)
         out = torch.empty_like(x)
         self.kernels.rms_norm(x, self.norm_weight, self.eps, out)
         return out

@@ -245,11 +245,20 @@ class QuantizedLinear(nn.Module):
         y = self._ours(x) if path == "ours" else self._kernel(x)
         return y if self.bias is None else y + self.bias
 
-    def _ours(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """forward(x) written into `out` [M, N]: by our kernel directly where it is this size's path
+        (a vocabulary-sized head's logits are not computed and then copied), else copied in."""
+        path = self.small_path if x.shape[0] <= SMALL_ROWS else self.path
+        if path == "ours" and self.input_scale is None and self.bias is None and out.is_contiguous():
+            return self._ours(x, out)
+        return out.copy_(self.forward(x))
+
+    def _ours(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # Chosen only where `path_available` found our kernels and float32 CPU tensors.
         kernels = cpu_kernels.load()
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         if self.bits == 8 and self.int8_activations:
             kernels.linear_int8_weights_int8_activations(x, self.kernel_weight(), self.scales, out)
         elif self.bits == 8:

@@ -18,8 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels, float32 or bfloat16 (CPU, float32 x and out)");
   m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");
   m.def("decoder_layers", &decoder_layers, py::call_guard<py::gil_scoped_release>(),
-        "every decoder layer of a step (norms, projections, rotary + KV write, paged attention, gated MLP) in one "
-        "call; overwrites x and returns the residual stream before the final norm (CPU, float32)");
+        "a step's model up to the head in one call (embedding lookup, every decoder layer: norms, projections, "
+        "rotary + KV write, paged attention, gated MLP; the final norm): the final hidden states (CPU, float32)");
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
   m.def("int8_activations_supported", &int8_activations_supported,
         "whether a layer of this in_features and group size takes the int8-activation kernels");

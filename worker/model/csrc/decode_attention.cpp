@@ -150,54 +150,60 @@ void attend_portable(const SequenceView& seq, const PoolView<KV>& pool, float sc
 
 }  // namespace
 
-// q [B, H, D] float32; k_cache, v_cache [N, S, Hkv, D] float32, float16 or bfloat16 (both the
-// same); block_tables [B, W] int64; seq_lens [B] int64. Returns [B, H, D] float32.
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == at::kFloat, "paged_decode_attention: q must be float32, got ", q.scalar_type());
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(2), table_width = block_tables.size(1);
-  auto out = at::empty_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
+// The order and split of a step's tasks, shared by its layers: one task per sequence, or, when
+// there are fewer sequences than threads (a single stream, the last few requests of a batch), per
+// sequence and range of KV heads, so every thread streams part of the K/V. Sequences differ in
+// length by 10x or more, so tasks go longest first to whichever thread is free (dynamic), not in
+// equal contiguous shares.
+DecodeAttentionPlan plan_decode_attention(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                          int64_t num_kv_heads) {
+  TORCH_CHECK(block_tables.dtype() == at::kLong && seq_lens.dtype() == at::kLong && block_tables.dim() == 2 &&
+              block_tables.is_contiguous() && seq_lens.is_contiguous() && seq_lens.size(0) == block_tables.size(0),
+              "paged_decode_attention: contiguous int64 block_tables [B, W] and seq_lens [B]");
+  DecodeAttentionPlan plan;
+  plan.num_seqs = seq_lens.size(0);
+  plan.table_width = block_tables.size(1);
+  plan.tables = block_tables.data_ptr<int64_t>();
+  plan.lens = seq_lens.data_ptr<int64_t>();
+  const int64_t threads = at::get_num_threads();
+  plan.splits = plan.num_seqs == 0 || plan.num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + plan.num_seqs - 1) / plan.num_seqs);
+  plan.order.resize(plan.num_seqs);
+  std::iota(plan.order.begin(), plan.order.end(), 0);
+  const int64_t* lens = plan.lens;
+  std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  return plan;
+}
+
+// One layer: q rows `q_seq_stride` floats apart (heads and dims contiguous), out [B, H, D]
+// contiguous. Nothing here goes through the dispatcher: called once per layer inside the step,
+// where the weights just streamed through have evicted whatever a tensor op would touch.
+void decode_attention_layer(const DecodeAttentionPlan& plan, const float* q, int64_t q_seq_stride,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t num_heads, int64_t head_dim,
+                            double scale, float* out) {
+  const int64_t num_kv_heads = k_cache.size(2), splits = plan.splits, num_tasks = plan.num_seqs * plan.splits;
   [[maybe_unused]] bool vectorised = false;
 #ifdef HAVE_AVX2_FMA
   vectorised = head_dim % kLanes == 0;
 #endif
-
   with_kv_type(k_cache, v_cache, "paged_decode_attention", [&](auto zero) {
     using KV = decltype(zero);
-    const PoolView<KV> pool{k_cache.data_ptr<KV>(), v_cache.data_ptr<KV>(), k_cache.size(1), num_kv_heads * head_dim,
-                            num_heads, num_heads / num_kv_heads, head_dim};
-    // One task per sequence, or, when there are fewer sequences than threads (a single stream,
-    // the last few requests of a batch), per sequence and range of KV heads, so every thread
-    // streams part of the K/V. Sequences differ in length by 10x or more, so tasks go longest
-    // first to whichever thread is free (dynamic), not in equal contiguous shares.
-    const int64_t threads = at::get_num_threads();
-    const int64_t splits = num_seqs >= threads ? 1 : std::min(num_kv_heads, (threads + num_seqs - 1) / num_seqs);
-    std::vector<int64_t> order(num_seqs);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
-    const int64_t num_tasks = num_seqs * splits;
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, num_tasks)))
+    const PoolView<KV> pool{static_cast<const KV*>(k_cache.data_ptr()), static_cast<const KV*>(v_cache.data_ptr()),
+                            k_cache.size(1), num_kv_heads * head_dim, num_heads, num_heads / num_kv_heads, head_dim};
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks)))
     {
-      std::vector<float> scores;
+      // Kept per thread across calls: a step calls this once per layer.
+      thread_local std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_tasks; ++task) {
-        const int64_t b = order[task / splits], split = task % splits;
+        const int64_t b = plan.order[task / splits], split = task % splits;
         // KV heads [kv0, kv1) and their query heads [kv0 * group, kv1 * group): the same pool with
         // its rows read from the first of those heads on.
         const int64_t kv0 = split * num_kv_heads / splits, kv1 = (split + 1) * num_kv_heads / splits;
         const int64_t h0 = kv0 * pool.group;
         const PoolView<KV> part{pool.k + kv0 * head_dim, pool.v + kv0 * head_dim, pool.block_size, pool.slot_stride,
                                 (kv1 - kv0) * pool.group, pool.group, head_dim};
-        const SequenceView seq{q_ptr + (b * num_heads + h0) * head_dim, out_ptr + (b * num_heads + h0) * head_dim,
-                               tables + b * table_width, lens[b]};
+        const SequenceView seq{q + b * q_seq_stride + h0 * head_dim, out + (b * num_heads + h0) * head_dim,
+                               plan.tables + b * plan.table_width, plan.lens[b]};
 #ifdef HAVE_AVX2_FMA
         if (vectorised) {
           attend_avx2(seq, part, static_cast<float>(scale), scores);
@@ -208,5 +214,21 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
       }
     }
   });
+}
+
+// q [B, H, D] float32; k_cache, v_cache [N, S, Hkv, D] float32, float16 or bfloat16 (both the
+// same); block_tables [B, W] int64; seq_lens [B] int64. Returns [B, H, D] float32.
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dtype() == at::kFloat, "paged_decode_attention: q must be float32, got ", q.scalar_type());
+  check_kv_pools(k_cache, v_cache, "paged_decode_attention");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const DecodeAttentionPlan plan = plan_decode_attention(block_tables, seq_lens, k_cache.size(2));
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == plan.num_seqs, "paged_decode_attention: q [B, H, D], one row per sequence");
+  auto out = at::empty_like(q);
+  decode_attention_layer(plan, q.data_ptr<float>(), q.size(1) * q.size(2), k_cache, v_cache, q.size(1), q.size(2),
+                         scale, out.data_ptr<float>());
   return out;
 }

@@ -12,6 +12,20 @@
 // decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale);
+// The same per layer of a step (decoder_layers.cpp), from raw rows: what every layer shares (the
+// task order, checked tables) worked out once by plan_decode_attention, whose tensors must
+// outlive the plan.
+struct DecodeAttentionPlan {
+  const int64_t* tables = nullptr;  // [B, table_width]
+  const int64_t* lens = nullptr;    // [B]
+  int64_t num_seqs = 0, table_width = 0, splits = 1;
+  std::vector<int64_t> order;  // sequences, longest first
+};
+DecodeAttentionPlan plan_decode_attention(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                          int64_t num_kv_heads);
+void decode_attention_layer(const DecodeAttentionPlan& plan, const float* q, int64_t q_seq_stride,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t num_heads, int64_t head_dim,
+                            double scale, float* out);
 
 // prefill_attention.cpp
 bool prefill_attention_supported(int64_t head_dim);
@@ -21,6 +35,11 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
 // rotary.cpp
 void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
                          at::Tensor k_cache, at::Tensor v_cache, int64_t num_heads);
+// The same per layer of a step from raw rows, its arguments checked by the caller: token t's
+// cos and sin rows are row positions[t] of the [P, D/2] tables (row t where positions is null).
+void rotary_and_write_kv_rows(float* qkv, int64_t tokens, const float* cos, const float* sin, const int64_t* positions,
+                              const int64_t* slots, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              int64_t num_heads);
 
 // linear.cpp
 void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out);
@@ -43,8 +62,9 @@ void head_rms_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int
                    int64_t num_kv_heads, double eps);
 
 // decoder_layers.cpp
-at::Tensor decoder_layers(at::Tensor x, std::vector<std::vector<std::optional<at::Tensor>>> layers, at::Tensor cos,
-                          at::Tensor sin, at::Tensor slot_mapping, std::vector<at::Tensor> k_caches,
+at::Tensor decoder_layers(at::Tensor input_ids, at::Tensor embedding, at::Tensor positions, at::Tensor cos,
+                          at::Tensor sin, at::Tensor final_norm,
+                          std::vector<std::vector<std::optional<at::Tensor>>> layers, at::Tensor slot_mapping, std::vector<at::Tensor> k_caches,
                           std::vector<at::Tensor> v_caches, at::Tensor block_tables, at::Tensor seq_lens,
                           at::Tensor query_starts, int64_t num_decodes, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, int64_t intermediate_size, double scale, double eps);

@@ -31,6 +31,33 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
 
 }  // namespace
 
+void rotary_and_write_kv_rows(float* qkv, int64_t tokens, const float* cos, const float* sin, const int64_t* positions,
+                              const int64_t* slots, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              int64_t num_heads) {
+  const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t half = head_dim / 2, kv_floats = num_kv_heads * head_dim, row = (num_heads + 2 * num_kv_heads) * head_dim;
+  with_kv_type(k_cache, v_cache, "rotary_and_write_kv", [&](auto zero) {
+    using KV = decltype(zero);
+    KV* k_pool = static_cast<KV*>(k_cache.data_ptr());
+    KV* v_pool = static_cast<KV*>(v_cache.data_ptr());
+    at::parallel_for(0, tokens, grain_for(row), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float* q = qkv + t * row;
+        float* k = q + num_heads * head_dim;
+        const float* v = k + kv_floats;
+        const int64_t table_row = positions ? positions[t] : t;
+        const float* c = cos + table_row * half;
+        const float* s = sin + table_row * half;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate(q + h * head_dim, c, s, half);
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        store_row(k_pool + slot * kv_floats, k, kv_floats);
+        store_row(v_pool + slot * kv_floats, v, kv_floats);
+      }
+    });
+  });
+}
+
 // qkv [T, (H + 2 Hkv) D] float32 contiguous (q heads, then k heads, then v heads); cos, sin
 // [T, D/2] float32; slot_mapping [T] int64 (a negative slot is not written); k_cache, v_cache
 // [N, S, Hkv, D] float32, float16 or bfloat16 (both the same).
@@ -45,35 +72,13 @@ void rotary_and_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Ten
   sin = sin.contiguous();
   slot_mapping = slot_mapping.contiguous();
   const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
-  const int64_t half = head_dim / 2, kv_floats = num_kv_heads * head_dim;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && cos.size(0) == tokens &&
-              cos.size(-1) == half && sin.sizes() == cos.sizes() && slot_mapping.size(0) == tokens,
+              cos.size(-1) == head_dim / 2 && sin.sizes() == cos.sizes() && slot_mapping.size(0) == tokens,
               "qkv [T, (H + 2 Hkv) D], cos and sin [T, D/2], slot_mapping [T]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  float* qkv_ptr = qkv.data_ptr<float>();
-  const float* cos_ptr = cos.data_ptr<float>();
-  const float* sin_ptr = sin.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t row = qkv.size(1);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " beyond the pool's ", num_slots);
-  with_kv_type(k_cache, v_cache, "rotary_and_write_kv", [&](auto zero) {
-    using KV = decltype(zero);
-    KV* k_pool = k_cache.data_ptr<KV>();
-    KV* v_pool = v_cache.data_ptr<KV>();
-    at::parallel_for(0, tokens, grain_for(row), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        float* q = qkv_ptr + t * row;
-        float* k = q + num_heads * head_dim;
-        const float* v = k + kv_floats;
-        const float* c = cos_ptr + t * half;
-        const float* s = sin_ptr + t * half;
-        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) rotate(q + h * head_dim, c, s, half);
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        store_row(k_pool + slot * kv_floats, k, kv_floats);
-        store_row(v_pool + slot * kv_floats, v, kv_floats);
-      }
-    });
-  });
+  rotary_and_write_kv_rows(qkv.data_ptr<float>(), tokens, cos.data_ptr<float>(), sin.data_ptr<float>(), nullptr, slots,
+                           k_cache, v_cache, num_heads);
 }
