@@ -54,12 +54,13 @@ SlottedActivations slot_activations(const QuantizedActivations& a, const WeightP
   return s;
 }
 
-// R rows of x by C weight rows (column tile `tile`), every group of K: out (through `total`)
-// before the int4 zero term. `ahead`: this thread's panel kPrefetchTiles later, prefetched a unit
-// at a time as this one is read, so it streams in from memory during this tile's compute.
+// R rows of x by C weight rows from column tile `tile` on (C up to two tiles' rows: row j is row
+// j % kCols of tile tile + j / kCols), every group of K: out before the int4 zero term, into
+// total[i * total_stride + j]. `ahead`: this thread's panels kPrefetchTiles later, prefetched a
+// unit at a time as these are read, so they stream in from memory during this compute.
 template <int64_t R, int64_t C, bool kInt8>
 inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
-                        int64_t num_groups, int64_t m0, int64_t tile, bool ahead, float total[kRows][kCols]) {
+                        int64_t num_groups, int64_t m0, int64_t tile, bool ahead, float* total, int64_t total_stride) {
   const int64_t n0 = tile * kCols;
   __m512 sum[R][C], acc[R][C];
   for (int64_t i = 0; i < R; ++i)
@@ -87,31 +88,33 @@ inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels,
       slots_left = panels.slots_per_group;
     }
   };
+  auto unit = [&](int64_t first_tile, int64_t u, int64_t j) {
+    return reinterpret_cast<const char*>(panels.unit(first_tile + j / kCols, u, j % kCols));
+  };
   for (int64_t u = 0; u < panels.units_per_row; ++u) {
     if (ahead) {
-      for (int64_t j = 0; j < kCols; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(panels.unit(tile + kPrefetchTiles, u, j)), _MM_HINT_T0);
+      for (int64_t j = 0; j < C; ++j) _mm_prefetch(unit(tile + kPrefetchTiles, u, j), _MM_HINT_T0);
     }
     __m512i w[C];
     if constexpr (kInt8) {
-      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(panels.unit(tile, u, j));
+      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(unit(tile, u, j));
       add_slot(u, w);
     } else {
       // Each slot loads the unit again (from L1) rather than keep it: with 3 rows of x, 4 more
       // registers held across both slots would spill the accumulators.
-      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(panels.unit(tile, u, j)),
+      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)),
                                                               _mm512_set1_epi8(0x0F));
       add_slot(2 * u, w);
       if (2 * u + 1 < panels.slots_per_row) {
         // 16 x the high nibbles (at most 240 x 127 x 4 per lane): no shift; the slot's scales hold the 1/16.
-        for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(panels.unit(tile, u, j)),
+        for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)),
                                                                 _mm512_set1_epi8(static_cast<char>(0xF0)));
         add_slot(2 * u + 1, w);
       }
     }
   }
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) total[i][j] = _mm512_reduce_add_ps(sum[i][j]);
+    for (int64_t j = 0; j < C; ++j) total[i * total_stride + j] = _mm512_reduce_add_ps(sum[i][j]);
 }
 
 template <int64_t R, bool kInt8>
@@ -119,12 +122,39 @@ inline void tile_avx512_columns(const SlottedActivations& a, const WeightPanels&
                                 int64_t num_groups, int64_t m0, int64_t tile, int64_t n_count, bool ahead,
                                 float total[kRows][kCols]) {
   static_assert(kCols == 4, "one case per column count below");
+  float* t = &total[0][0];
   switch (n_count) {
-    case 4: return tile_avx512<R, 4, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
-    case 3: return tile_avx512<R, 3, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
-    case 2: return tile_avx512<R, 2, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
-    default: return tile_avx512<R, 1, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, total);
+    case 4: return tile_avx512<R, 4, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
+    case 3: return tile_avx512<R, 3, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
+    case 2: return tile_avx512<R, 2, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
+    default: return tile_avx512<R, 1, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
   }
+}
+
+// One row of x (a single stream's decode step): two column tiles at a time, so each slot of x and
+// its scales are loaded once for 8 weight rows and 8 row streams are in flight from memory, where
+// one tile's 4 rows of INT4 at K = 2048 are a single 4 KiB page. A thread's odd last tile, and the
+// last partial one, go alone.
+template <bool kInt8, typename FinishZero>
+void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
+                          int64_t out_features, int64_t num_groups, float* out, FinishZero& finish_zero) {
+  constexpr int64_t kPair = 2 * kCols;
+  const int64_t num_tiles = (out_features + kCols - 1) / kCols;
+  at::parallel_for(0, num_tiles, 4, [&](int64_t begin, int64_t end) {
+    int64_t tile = begin;
+    for (; tile + 1 < end && (tile + 2) * kCols <= out_features; tile += 2) {
+      float total[kPair];
+      tile_avx512<1, kPair, kInt8>(a, panels, weight_scales, num_groups, 0, tile, tile + kPrefetchTiles + 1 < end,
+                                   total, kPair);
+      for (int64_t j = 0; j < kPair; ++j) out[tile * kCols + j] = total[j] + finish_zero(0, tile * kCols + j);
+    }
+    for (; tile < end; ++tile) {
+      const int64_t n0 = tile * kCols, n_count = std::min(kCols, out_features - n0);
+      float total[kRows][kCols] = {};
+      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, 0, tile, n_count, false, total);
+      for (int64_t j = 0; j < n_count; ++j) out[n0 + j] = total[0][j] + finish_zero(0, n0 + j);
+    }
+  });
 }
 
 // `finish_zero(m, n)`: the int4 zero-point term (0 for int8).
@@ -134,6 +164,8 @@ void int8_activation_tiles_avx512(const QuantizedActivations& q, const WeightPan
                                   float* out_ptr, FinishZero finish_zero) {
   const SlottedActivations a = slot_activations(q, panels, rows, in_features, group_size, kInt8);
   const int64_t num_groups = in_features / group_size;
+  if (rows == 1) return one_row_tiles_avx512<kInt8>(a, panels, weight_scales, out_features, num_groups, out_ptr,
+                                                    finish_zero);
   for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
                                                                      int64_t m_count, int64_t, int64_t n_count,
                                                                      float total[kRows][kCols]) {
