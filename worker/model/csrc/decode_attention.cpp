@@ -50,6 +50,27 @@ inline void prefetch_row(const void* row, int64_t num_bytes) {
   for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T1);
 }
 
+// Lane i: q_head[i] . k_head[i] over head_dim (a multiple of 8), for the first `active` (at most
+// kMax) of them, unrolled where active is kMax; lanes past those are 0.
+template <int kMax, typename KV>
+inline __m256 head_dots(const float* const* q_head, const KV* const* k_head, int64_t head_dim, int64_t active = kMax) {
+  __m256 acc[kLanes];
+#pragma GCC unroll 8
+  for (int i = 0; i < kLanes; ++i) acc[i] = _mm256_setzero_ps();
+  if (active == kMax) {
+    for (int64_t d = 0; d < head_dim; d += kLanes) {
+#pragma GCC unroll 8
+      for (int i = 0; i < kMax; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), load8(k_head[i] + d), acc[i]);
+    }
+  } else {
+    for (int64_t d = 0; d < head_dim; d += kLanes)
+      for (int64_t i = 0; i < active; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), load8(k_head[i] + d), acc[i]);
+  }
+  return sums_of_eight(acc);
+}
+
 // head_dim a multiple of 8. Scores are laid out [len, heads rounded up to 8], so the softmax
 // runs across 8 heads per vector with no horizontal step.
 template <typename KV>
@@ -67,20 +88,23 @@ void attend_avx2(const SequenceView& seq, const PoolView<KV>& pool, float scale,
     for (int64_t h0 = 0; h0 < padded_heads; h0 += kLanes) {
       const float* q_head[kLanes];
       const KV* k_head[kLanes];
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const int64_t h = std::min(h0 + i, num_heads - 1);
-        q_head[i] = seq.q + h * head_dim;
-        k_head[i] = k_row + (h / pool.group) * head_dim;
+      const int64_t active = std::min(kLanes, num_heads - h0);
+      for (int64_t i = 0; i < active; ++i) {
+        q_head[i] = seq.q + (h0 + i) * head_dim;
+        k_head[i] = k_row + ((h0 + i) / pool.group) * head_dim;
       }
-      __m256 acc[kLanes];
-#pragma GCC unroll 8
-      for (int i = 0; i < kLanes; ++i) acc[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += kLanes) {
-#pragma GCC unroll 8
-        for (int i = 0; i < kLanes; ++i)
-          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), load8(k_head[i] + d), acc[i]);
-      }
-      _mm256_storeu_ps(scores.data() + t * padded_heads + h0, _mm256_mul_ps(sums_of_eight(acc), scale_v));
+      // Padding lanes (heads past the last) score 0 and are never read: a task of 4 or 2 heads
+      // (a single stream's KV heads split between threads) computes only those.
+      __m256 dots;
+      if (active == kLanes)
+        dots = head_dots<kLanes>(q_head, k_head, head_dim);
+      else if (active == 4)
+        dots = head_dots<4>(q_head, k_head, head_dim);
+      else if (active == 2)
+        dots = head_dots<2>(q_head, k_head, head_dim);
+      else
+        dots = head_dots<kLanes>(q_head, k_head, head_dim, active);
+      _mm256_storeu_ps(scores.data() + t * padded_heads + h0, _mm256_mul_ps(dots, scale_v));
     }
   }
   // Softmax numerators in place (max-subtracted); the 1 / sum is applied to the output.
