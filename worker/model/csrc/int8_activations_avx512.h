@@ -140,7 +140,12 @@ void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panel
                           int64_t out_features, int64_t num_groups, float* out, FinishZero& finish_zero) {
   constexpr int64_t kPair = 2 * kCols;
   const int64_t num_tiles = (out_features + kCols - 1) / kCols;
-  at::parallel_for(0, num_tiles, 4, [&](int64_t begin, int64_t end) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(8, (num_tiles / (8 * threads)) & ~int64_t(1));
+  const int64_t num_chunks = (num_tiles + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min(threads, num_chunks)))
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t begin = c * chunk, end = std::min(num_tiles, begin + chunk);
     int64_t tile = begin;
     for (; tile + 1 < end && (tile + 2) * kCols <= out_features; tile += 2) {
       float total[kPair];
@@ -154,7 +159,7 @@ void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panel
       tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, 0, tile, n_count, false, total);
       for (int64_t j = 0; j < n_count; ++j) out[n0 + j] = total[0][j] + finish_zero(0, n0 + j);
     }
-  });
+  }
 }
 
 // `finish_zero(m, n)`: the int4 zero-point term (0 for int8).
