@@ -325,16 +325,18 @@ def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
         if not torch.allclose(y - (0 if layer.bias is None else layer.bias), reference, rtol=1e-2, atol=1e-2):
             continue
         best = min(timings.values(), default=float("inf"))
-        elapsed, count = 0.0, 0
-        # Repeats only while a path is in the running: one call twice the best so far settles it
-        # (torch's packed kernels can be far slower at prefill sizes, and every layer is timed).
-        while count < repeats and (count == 0 or elapsed / count < 2 * best):
+        fastest, count = float("inf"), 0
+        # A path's time is its fastest call: a call a neighbour process slowed says nothing about
+        # the path, and a mean would let one such call pick the slower path for the whole run.
+        # Repeats only while a path is in the running: two calls, the faster still twice the best so
+        # far, settle it (torch's packed kernels can be far slower at prefill sizes, and every layer is timed).
+        while count < repeats and (count < 2 or fastest < 2 * best):
             started = time.perf_counter()
             layer(x)
             if x.device.type == "cuda":
                 torch.cuda.synchronize(x.device)
-            elapsed, count = elapsed + time.perf_counter() - started, count + 1
-        timings[path] = elapsed / count
+            fastest, count = min(fastest, time.perf_counter() - started), count + 1
+        timings[path] = fastest
     setattr(layer, attribute, min(timings, key=timings.get) if timings else "dequant")
     return getattr(layer, attribute)
 
