@@ -279,10 +279,7 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
 #ifdef HAVE_AVX512_VNNI
   int8_activation_tiles_avx512<false>(a, weights, s, rows, in_features, out_features, group_size, out.data_ptr<float>(),
                                       [&](int64_t m, int64_t n) {
-                                        float zero_term = 0.f;
-                                        for (int64_t g = 0; g < num_groups; ++g)
-                                          zero_term += z[n * num_groups + g] * x_sums[m * num_groups + g];
-                                        return zero_term;
+                                        return dot(z + n * num_groups, x_sums.data() + m * num_groups, num_groups);
                                       });
   return;
 #endif
