@@ -1,7 +1,8 @@
 """`python -m gateway.client "Once upon a time" --max-tokens 64`: stream a completion to the terminal.
 
 `python -m gateway.client status` prints each worker's health, load and memory as a table;
-`python -m gateway.client probe worker-0 --deep --memory` probes one worker. `--address` takes
+`python -m gateway.client probe worker-0 --deep --memory` probes one worker (either word may also
+follow the connection options: `--address A status`). `--address` takes
 one gateway or several, comma-separated (`host:port,host:port`): requests are balanced over them
 (gateway/gateway_pool.py), `status` prints each gateway's table and `probe` asks each in turn.
 Flags cover chat (`--chat`, `--system`), priority, sampling, log-probabilities, a session,
@@ -168,6 +169,26 @@ def format_status(cluster: inference_pb2.ClusterStatus) -> str:
     return "\n".join(lines)
 
 
+# The connection options every subcommand takes, with the value each is followed by.
+_CONNECTION_OPTIONS = ("--address", "--timeout", "--api-key", "--tls-ca", "--tls-cert", "--tls-key")
+
+
+def _subcommand_first(argv: list[str]) -> list[str]:
+    """argv with a `status` or `probe` that follows connection options moved to the front
+    (`--address A status` as `status --address A`); anything else is a generation's argv."""
+    i = 0
+    while i < len(argv):
+        if argv[i] in _CONNECTION_OPTIONS:
+            i += 2
+        elif argv[i].split("=", 1)[0] in _CONNECTION_OPTIONS:
+            i += 1
+        elif argv[i] in ("status", "probe"):
+            return [argv[i], *argv[:i], *argv[i + 1:]]
+        else:
+            break
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     common = argparse.ArgumentParser(add_help=False)
@@ -180,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--tls-ca", default=None, metavar="FILE", help="connect over TLS, trusting this CA (PEM)")
     common.add_argument("--tls-cert", default=None, metavar="FILE", help="a client certificate (PEM), for mutual TLS")
     common.add_argument("--tls-key", default=None, metavar="FILE", help="the client certificate's key (PEM)")
+    argv = _subcommand_first(argv)
     if argv[:1] == ["status"]:
         parser = argparse.ArgumentParser(prog="python -m gateway.client status", parents=[common])
         return status(parser.parse_args(argv[1:]))

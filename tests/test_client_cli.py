@@ -1,0 +1,42 @@
+"""gateway.client's command line: which subcommand an argv runs, and with which arguments."""
+from __future__ import annotations
+
+import pytest
+
+from gateway import client
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    for name in ("status", "probe", "generate"):
+        monkeypatch.setattr(client, name, lambda args, name=name: seen.append((name, args)) or 0)
+    return seen
+
+
+@pytest.mark.parametrize("argv", [
+    ["status", "--address", "127.0.0.1:1"],
+    ["--address", "127.0.0.1:1", "status"],
+    ["--address=127.0.0.1:1", "--timeout", "3", "status"],
+])
+def test_status_runs_whether_it_comes_before_or_after_the_connection_options(calls, argv):
+    assert client.main(argv) == 0
+    [(name, args)] = calls
+    assert name == "status" and args.address == "127.0.0.1:1"
+
+
+def test_probe_after_the_connection_options_keeps_its_own_arguments(calls):
+    assert client.main(["--address", "127.0.0.1:1", "probe", "worker-3", "--deep"]) == 0
+    [(name, args)] = calls
+    assert (name, args.worker_id, args.deep, args.address) == ("probe", "worker-3", True, "127.0.0.1:1")
+
+
+@pytest.mark.parametrize("argv", [
+    ["status report", "--address", "127.0.0.1:1"],  # a prompt that merely starts with the word
+    ["--max-tokens", "4", "status"],  # after a generation option, "status" is the prompt
+    ["--address", "127.0.0.1:1", "--", "status"],
+])
+def test_a_prompt_is_never_taken_for_a_subcommand(calls, argv):
+    assert client.main(argv) == 0
+    [(name, args)] = calls
+    assert name == "generate" and args.prompt in ("status report", "status")
