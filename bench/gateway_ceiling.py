@@ -283,7 +283,7 @@ def profile(model_dir: Path, plan: Plan, num_workers: int, interval: int, concur
     import shutil
     import tempfile
 
-    from bench.http_vs_grpc import busy_profile
+    from bench.http_vs_grpc_report import busy_profile
 
     prof = Path(tempfile.mkdtemp(prefix="icb-prof-")) / "gateway.prof"
     vocab, ctx = model_limits(model_dir)

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from typing import Callable
 from bench.cluster_process import ClusterProcess, free_port
 from bench.contention import busy_other_processes, wait_for_idle
 from bench.cpu_share import cpu_accounting, pinned_to
+from bench.http_vs_grpc_report import busy_profile, compare, print_report, side_summary, targets
 from bench.load_generator import run_load
 from bench.load_stats import LoadResult, percentile
 from bench.load_workload import LoadRequest, LoadSpec, make_load_workload, workload_totals
@@ -42,8 +42,6 @@ from bench.openai_load import CLIENTS, CLUSTER_EXTRA, run_openai_load
 from bench.results_file import write_results
 from bench.serving_model import model_limits, resolve_model
 
-THROUGHPUT_TARGET = 0.90
-ADDED_ITL_TARGET_MS = 1.0
 FOREIGN_WARN = 0.10
 LLAMA_EXTRA = {"cache_prompt": False}  # alternating rounds repeat prompts: no KV reuse across them
 DEFAULT_JSON = Path("bench/results/http_vs_grpc.json")
@@ -225,31 +223,6 @@ def fake_phase(args, plan, model_dir, vocab, ctx, specs) -> dict:
     return {"closed": closed, "single": single}
 
 
-# Not the request path: waiting in epoll, and the gateway's start-up (imports, compiling, loading the tokenizer).
-_IDLE_OR_START = ("'poll' of 'select.epoll'", "marshal.loads", "builtins.compile", "builtins.exec", "__build_class__",
-                  "_imp.create_", "'read' of '_io.BufferedReader'", "from_file", "posix.stat", "re/_", "sre_",
-                  "importlib")
-
-
-def busy_profile(stats, tokens: int, name: str, top: int = 20) -> str:
-    """The gateway's busy functions by own time, in microseconds per output token."""
-    rows, busy = [], 0.0
-    for (filename, line, func), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
-        where = f"{filename}:{line}({func})" if line else func
-        if any(p in where for p in _IDLE_OR_START):
-            continue
-        busy += tottime
-        rows.append((tottime, ncalls, cumtime, where.replace(str(Path(sys.prefix)), "<venv>")))
-    rows.sort(reverse=True)
-    n = max(1, tokens)
-    lines = [f"{name}: gateway busy {busy / n * 1e6:.0f} us per output token ({tokens} tokens, cProfile's own "
-             f"overhead included); top functions by own time:",
-             f"  {'us/token':>9} {'calls/token':>11} {'cum us/token':>12}  function"]
-    for tottime, ncalls, cumtime, where in rows[:top]:
-        lines.append(f"  {tottime / n * 1e6:9.1f} {ncalls / n:11.2f} {cumtime / n * 1e6:12.1f}  {where[-110:]}")
-    return "\n".join(lines)
-
-
 def profile_phase(args, plan, model_dir, vocab, ctx, specs) -> dict[str, str]:
     """(a)'s closed loop once per protocol, each against its own gateway under cProfile: the top functions."""
     import pstats
@@ -321,115 +294,6 @@ def model_phase(args, plan, model_dir, vocab, ctx, specs) -> dict:
             "llama_args": llama.args[1:] if llama is not None else None}
 
 
-# ---- the report ---------------------------------------------------------------------------------
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def side_summary(results: list[LoadResult]) -> dict:
-    """Medians over a side's rounds, with each round's throughput."""
-    sums = [r.summary() for r in results]
-    tokens = [max(1, s.output_tokens) for s in sums]
-    cpu = [r.extra.get("cpu", {}) for r in results]
-    per_token = {}
-    for name in sorted({k for c in cpu for k in c.get("cluster_cpu_s", {})}):
-        per_token[name] = _median([c.get("cluster_cpu_s", {}).get(name, 0.0) / n * 1e6 for c, n in zip(cpu, tokens)])
-    per_token["client"] = _median([c.get("client_cpu_s", 0.0) / n * 1e6 for c, n in zip(cpu, tokens)])
-    return {"tokens_per_s": _median([s.tokens_per_s for s in sums]),
-            "rounds_tokens_per_s": [s.tokens_per_s for s in sums],
-            "completed": [s.completed for s in sums], "requests": [s.requests for s in sums],
-            "errors": [s.errors for s in sums],
-            "resent_after_drop": sum(len(r.extra.get("resent_after_drop", [])) for r in results),
-            "ttft_ms_p50": _median([s.ttft_ms[0] for s in sums]), "ttft_ms_p99": _median([s.ttft_ms[1] for s in sums]),
-            "itl_ms_p50": _median([s.itl_ms[0] for s in sums]), "itl_ms_p99": _median([s.itl_ms[1] for s in sums]),
-            "e2e_s_p50": _median([s.e2e_s[0] for s in sums]),
-            "path_ms_p50": _median([r.extra.get("path_ms", {}).get("p50") for r in results]),
-            "path_ms_p99": _median([r.extra.get("path_ms", {}).get("p99") for r in results]),
-            "cpu_us_per_token": per_token,
-            "foreign_share_max": max((c.get("foreign_share", 0.0) for c in cpu), default=0.0)}
-
-
-def _ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-def _diff(a, b):
-    return a - b if a is not None and b is not None else None
-
-
-def compare(sides: dict[str, dict], base: str, other: str) -> dict:
-    b, o = sides[base], sides[other]
-    rounds = [_ratio(x, y) for x, y in zip(o["rounds_tokens_per_s"], b["rounds_tokens_per_s"])]
-    return {"throughput_ratio": _ratio(o["tokens_per_s"], b["tokens_per_s"]), "rounds_ratio": rounds,
-            "added_itl_p50_ms": _diff(o["itl_ms_p50"], b["itl_ms_p50"]),
-            "added_itl_p99_ms": _diff(o["itl_ms_p99"], b["itl_ms_p99"]),
-            "added_ttft_p50_ms": _diff(o["ttft_ms_p50"], b["ttft_ms_p50"]),
-            "added_path_p50_ms": _diff(o["path_ms_p50"], b["path_ms_p50"])}
-
-
-def _f(x, fmt=".2f"):
-    return "-" if x is None else format(x, fmt)
-
-
-def print_report(report: dict) -> None:
-    print("\n" + "=" * 110)
-    print(f"model {report['model_dir']}; client {report['client']}; concurrency {report['concurrency']}; "
-          f"{report['cpus']} CPUs; cores {report['cores'] or 'unpinned'}")
-    header = ("phase", "side", "out tok/s (rounds)", "TTFT p50/p99 ms", "ITL p50/p99 ms", "path p50/p99 ms",
-              "CPU us/tok gateway / client / server", "done", "other load")
-    rows = [header]
-    for phase, sides in report["phases"].items():
-        for name, s in sides.items():
-            cpu = s["cpu_us_per_token"]
-            server = cpu.get("worker-0") if name != "llama-server" else cpu.get("llama-server")
-            rounds = " / ".join(f"{x:.0f}" for x in s["rounds_tokens_per_s"])
-            rows.append((phase, name, f"{s['tokens_per_s']:.1f} ({rounds})",
-                         f"{_f(s['ttft_ms_p50'], '.1f')} / {_f(s['ttft_ms_p99'], '.1f')}",
-                         f"{_f(s['itl_ms_p50'])} / {_f(s['itl_ms_p99'])}",
-                         f"{_f(s['path_ms_p50'])} / {_f(s['path_ms_p99'])}",
-                         f"{_f(cpu.get('gateway') if name != 'llama-server' else None, '.0f')} / "
-                         f"{_f(cpu.get('client'), '.0f')} / {_f(server, '.0f')}",
-                         f"{min(s['completed'])}/{s['requests'][0]}"
-                         + (f" ({s['resent_after_drop']} resent)" if s["resent_after_drop"] else ""),
-                         f"{s['foreign_share_max']:.0%}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    print()
-    for name, c in report["comparisons"].items():
-        rounds = " / ".join(f"{x:.1%}" for x in c["rounds_ratio"] if x is not None)
-        print(f"{name}: throughput {_f(c['throughput_ratio'] and 100 * c['throughput_ratio'], '.1f')}% ({rounds}); "
-              f"added ITL p50 {_f(c['added_itl_p50_ms'], '+.2f')} ms, p99 {_f(c['added_itl_p99_ms'], '+.2f')} ms; "
-              f"added TTFT p50 {_f(c['added_ttft_p50_ms'], '+.1f')} ms"
-              + (f"; added path p50 {_f(c['added_path_p50_ms'], '+.2f')} ms" if c["added_path_p50_ms"] is not None
-                 else ""))
-    if report.get("llama_skipped"):
-        print(f"(c) llama-server skipped: {report['llama_skipped']}")
-    print()
-    for t in report["targets"]:
-        print(f"target {t['target']}: {t['measured']} -> {'met' if t['met'] else 'MISSED'}")
-
-
-def targets(comparisons: dict) -> list[dict]:
-    out = []
-    for name in ("(a) HTTP / gRPC, fake worker", "(b) HTTP / gRPC, bench-small"):
-        c = comparisons.get(name)
-        if c is None:
-            continue
-        ratio, added = c["throughput_ratio"], c["added_itl_p50_ms"]
-        out.append({"target": f"{name}: throughput >= {THROUGHPUT_TARGET:.0%}", "measured": f"{100 * ratio:.1f}%",
-                    "met": ratio is not None and ratio >= THROUGHPUT_TARGET})
-        out.append({"target": f"{name}: added ITL p50 < {ADDED_ITL_TARGET_MS:g} ms", "measured": f"{added:+.2f} ms",
-                    "met": added is not None and added < ADDED_ITL_TARGET_MS})
-    c = comparisons.get("(a') HTTP / gRPC, fake worker, one stream")
-    if c is not None:
-        added = c["added_itl_p50_ms"]
-        out.append({"target": f"(a') one stream: added ITL p50 < {ADDED_ITL_TARGET_MS:g} ms",
-                    "measured": f"{added:+.2f} ms", "met": added is not None and added < ADDED_ITL_TARGET_MS})
-    return out
-
-
 def specs_for(plan: Plan, seed: int) -> dict[str, LoadSpec]:
     return {"warmup": LoadSpec(num_requests=plan.warmup_requests, rate=0, short_output=(8, 16),
                                long_output=(8, 16), seed=seed + 100),
@@ -488,12 +352,7 @@ def main(argv=None) -> int:
               "profiles": profiles}
     report["busy_after"] = busy_other_processes()
     report["total_s"] = time.perf_counter() - t_start
-    for text in profiles.values():
-        print(text)
     print_report(report)
-    for name, text in report["specs"].items():
-        print(f"workload {name}: {text}")
-    print(f"busy before: {busy or 'none'}; after: {report['busy_after'] or 'none'}; total {report['total_s']:.0f} s")
     out = {**report, "runs": {phase: {name: [r.to_dict(with_records=True) for r in rs] for name, rs in sides.items()}
                               for phase, sides in phases.items()}}
     path = write_results(out, args.json, DEFAULT_JSON, args.quick)
