@@ -447,3 +447,30 @@ def test_invalid_inputs_raise_value_error():
     for logits, batch, message in cases:
         with pytest.raises(ValueError, match=message):
             sampler(logits, batch)  # type: ignore[arg-type]
+
+
+def test_a_bad_row_anywhere_in_a_batch_is_refused_before_any_row_draws():
+    # Rows are checked in the pass that decides each row's work, and only a row with a seed, a generator or
+    # params of another type is looked at closely: a bad one behind plain rows is still refused, by its
+    # index, and before the sampled row ahead of it has drawn from the shared generator.
+    class ElsewhereGenerator:  # all the check reads of a generator
+        device = torch.device("meta")
+
+    class Params(SamplingParams):
+        pass
+
+    sampler = Sampler(seed=0)
+    state = sampler._generator.get_state()
+    plain, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
+    cases = [
+        ([plain, sampled, plain, SamplingParams(seed=3)], [None] * 4, "row 3 has seed=3 but no generator"),
+        ([plain, sampled, {"temperature": 0}, plain], [None] * 4, r"batch.params\[2\] must be a SamplingParams"),
+        ([plain, sampled, plain, plain], [None, None, ElsewhereGenerator(), None], "row 2's generator is on meta"),
+    ]
+    for params, generators, message in cases:
+        with pytest.raises(ValueError, match=message):
+            sampler(torch.zeros(4, 8), SamplingBatch(params, generators, [[]] * 4))
+        assert torch.equal(sampler._generator.get_state(), state)
+    # A subclass of SamplingParams is looked at closely too, and passes.
+    out = sampler(torch.eye(2, 8), make_batch([plain, Params(temperature=0)]))
+    assert out.token_ids == [0, 1]

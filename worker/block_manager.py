@@ -121,6 +121,10 @@ class BlockManager:
         current = req.num_tokens if req is not None else 0
         if num_tokens < current:
             raise ValueError(f"request {request_id!r} holds {current} slots, cannot shrink to {num_tokens}")
+        if req is not None and num_tokens <= len(req.block_ids) * self.block_size:
+            # Within the blocks it holds (most decode steps): nothing to take from the pool.
+            req.num_tokens = num_tokens
+            return True
         if self.num_new_blocks_needed(request_id, num_tokens) > self.num_free_blocks:
             return False
         if req is None:

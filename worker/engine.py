@@ -160,50 +160,59 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """One iteration; returns a delta for each request that advanced or ended."""
-        deltas = [delta_for(r) for r in self._aborted]
-        self._aborted.clear()
-        schedule = self.scheduler.schedule()
-        if not schedule.scheduled:
+        deltas = []
+        if self._aborted:
+            deltas = [delta_for(r) for r in self._aborted]
+            self._aborted.clear()
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
             return deltas
-        seqs = [self._sequence_step(item) for item in schedule.scheduled]
-        results = self.runner.execute_splitting(seqs)
+        seqs = self._sequence_steps(scheduled)
+        runner = self.runner
+        num_oom_recoveries = runner.num_oom_recoveries
+        results = runner.execute_splitting(seqs)
         self.num_steps += 1
-        results = [self._failure(item, seq, r) if isinstance(r, OutOfMemory) else r
-                   for item, seq, r in zip(schedule.scheduled, seqs, results)]
-        for update in self.scheduler.update(schedule.scheduled, results):
+        if runner.num_oom_recoveries != num_oom_recoveries:  # only then can a result be OutOfMemory
+            results = [self._failure(item, seq, r) if isinstance(r, OutOfMemory) else r
+                       for item, seq, r in zip(scheduled, seqs, results)]
+        generators = self._generators
+        for update in self.scheduler.update(scheduled, results):
             request = update.request
-            if request.is_finished:
-                self._generators.pop(request.request_id, None)
-            deltas.append(delta_for(request, update.new_token_ids, with_timings=update.is_first_token,
-                                    num_draft_tokens=update.num_draft_tokens,
-                                    num_accepted_draft_tokens=update.num_accepted_tokens))
+            if generators and request.is_finished:
+                generators.pop(request.request_id, None)
+            deltas.append(delta_for(request, update.new_token_ids, update.is_first_token, update.num_draft_tokens,
+                                    update.num_accepted_tokens))
         return deltas
 
-    def _sequence_step(self, item: ScheduledRequest) -> SequenceStep:
-        r = item.request
-        start = r.num_computed_tokens
-        generator = self._generators.get(r.request_id)
-        draft = item.draft_token_ids
-        # A draft's tokens come after every known one: the step reaches the end of what is known.
-        needs_sample = start + item.num_new_tokens - len(draft) == r.num_tokens
-        seeded = generator is not None and needs_sample
-        return SequenceStep(
-            new_token_ids=r.token_ids[start:start + item.num_new_tokens - len(draft)] + list(draft),
-            context_len=start,
-            block_table=self.block_manager.block_table(r.request_id),
-            needs_sample=needs_sample,
-            params=r.params,
-            generator=generator,
-            token_history=r.token_ids,
-            constraint=r.constraint,
-            seed=token_seed(r.params.seed, r.num_output_tokens) if seeded else None,
-            output_token_ids=r.output_token_ids,
-            eos_token_ids=r.eos_token_ids,
-            draft_token_ids=draft,
-            # Each position's randomness is (seed, output index), as without a draft: the same tokens either way.
-            draft_seeds=[token_seed(r.params.seed, r.num_output_tokens + j) for j in range(1, len(draft) + 1)]
-            if seeded else (),
-        )
+    def _sequence_steps(self, scheduled: list[ScheduledRequest]) -> list[SequenceStep]:
+        """The runner's view of each scheduled request's share of the step, in order."""
+        generators, block_table = self._generators, self.block_manager.block_table
+        seqs = []
+        for item in scheduled:
+            r = item.request
+            start = r.num_computed_tokens
+            generator = generators.get(r.request_id) if generators else None
+            draft = item.draft_token_ids
+            num_known = item.num_new_tokens - len(draft)  # new tokens before the draft
+            token_ids = r.token_ids
+            # A draft's tokens come after every known one: the step reaches the end of what is known.
+            needs_sample = start + num_known == len(token_ids)
+            new_token_ids = token_ids[start:start + num_known]
+            if draft:
+                new_token_ids += draft
+            # Arguments in SequenceStep's field order: keywords would cost a step a third of a microsecond a row.
+            if generator is None or not needs_sample:
+                seqs.append(SequenceStep(new_token_ids, start, block_table(r.request_id), needs_sample, r.params,
+                                         generator, token_ids, None, r.output_token_ids, r.eos_token_ids,
+                                         r.constraint, draft))
+                continue
+            seed, num_outputs = r.params.seed, r.num_output_tokens
+            seqs.append(SequenceStep(
+                new_token_ids, start, block_table(r.request_id), needs_sample, r.params, generator, token_ids,
+                token_seed(seed, num_outputs), r.output_token_ids, r.eos_token_ids, r.constraint, draft,
+                # Each position's randomness is (seed, output index), as without a draft: the same tokens either way.
+                [token_seed(seed, num_outputs + j) for j in range(1, len(draft) + 1)]))
+        return seqs
 
     @staticmethod
     def _failure(item: ScheduledRequest, seq: SequenceStep, result: OutOfMemory) -> StepFailure:

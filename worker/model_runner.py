@@ -7,7 +7,6 @@ the device caches, run the step in halves); knows nothing of scheduling policy o
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from worker.kv_cache import KVCache
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.cpu_fast_path import CpuFastPath
 from worker.model.transformer import Transformer
-from worker.sampler import Sampler, SamplingBatch
+from worker.sampler import Sampler, SamplerOutput, SamplingBatch
 
 log = logging.getLogger(__name__)
 # The CPU allocator reports exhaustion as a plain RuntimeError carrying this text.
@@ -44,7 +43,7 @@ class OutOfMemory:
     error: str
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceStep:
     """One sequence's share of a step, as the runner needs it."""
 
@@ -79,38 +78,37 @@ def sampling_batch(seqs: list[SequenceStep]) -> SamplingBatch:
     sequence verifying a draft. Row j of a draft sees the sequence as if the draft's first j tokens had
     been taken (its histories for penalties and min_tokens, its seed), so it samples exactly what an
     unspeculated step at that position would; histories are extended only for rows that read them."""
-    params, generators, histories, outputs, constraints, eos, seeds = [], [], [], [], [], [], []
+    # One tuple per row, in SamplingBatch's field order, transposed into the fields at the end: one
+    # append per row rather than one per field.
+    rows = []
     for s in seqs:
-        if s.draft_token_ids and s.constraint is not None:
-            # One matcher state cannot mask several positions; the engine never drafts for these.
-            raise ValueError("a constrained sequence cannot verify a draft")
-        if not s.draft_token_ids:
+        draft = s.draft_token_ids
+        if not draft:
             # The common row (no draft): the sequence as it stands, without the per-position copies below.
             if s.needs_sample:
-                params.append(s.params)
-                generators.append(s.generator)
-                histories.append(s.token_history)
-                outputs.append(s.output_token_ids)
-                constraints.append(s.constraint)
-                eos.append(s.eos_token_ids)
-                seeds.append(s.seed)
+                rows.append((s.params, s.generator, s.token_history, s.output_token_ids, s.eos_token_ids,
+                             s.constraint, s.seed))
             continue
+        if s.constraint is not None:
+            # One matcher state cannot mask several positions; the engine never drafts for these.
+            raise ValueError("a constrained sequence cannot verify a draft")
         p = s.params
         reads_history = p.repetition_penalty != 1.0
         reads_outputs = bool(p.presence_penalty or p.frequency_penalty or p.min_tokens)
         row_seeds = [s.seed, *s.draft_seeds] if s.seed is not None else [None] * s.num_samples
         for j in range(s.num_samples):
-            draft = s.draft_token_ids[:j]
-            params.append(p)
-            generators.append(s.generator)
-            histories.append([*s.token_history, *draft] if draft and reads_history else s.token_history)
-            outputs.append([*s.output_token_ids, *draft] if draft and reads_outputs else s.output_token_ids)
-            constraints.append(s.constraint)
-            eos.append(s.eos_token_ids)
-            seeds.append(row_seeds[j])
+            prefix = draft[:j]
+            rows.append((p, s.generator,
+                         [*s.token_history, *prefix] if prefix and reads_history else s.token_history,
+                         [*s.output_token_ids, *prefix] if prefix and reads_outputs else s.output_token_ids,
+                         s.eos_token_ids, None, row_seeds[j]))
+    if not rows:
+        return SamplingBatch(params=[], generators=[], token_histories=[], output_token_ids=[], eos_token_ids=[])
+    params, generators, histories, outputs, eos, constraints, seeds = map(list, zip(*rows))
+    num_rows = len(rows)
     return SamplingBatch(params=params, generators=generators, token_histories=histories, output_token_ids=outputs,
-                         constraints=constraints if any(c is not None for c in constraints) else None,
-                         eos_token_ids=eos, seeds=seeds if any(x is not None for x in seeds) else None)
+                         eos_token_ids=eos, constraints=constraints if constraints.count(None) != num_rows else None,
+                         seeds=seeds if seeds.count(None) != num_rows else None)
 
 
 class ModelRunner:
@@ -157,6 +155,8 @@ class ModelRunner:
         self.logits = torch.zeros(self.max_num_samples, model.config.vocab_size,
                                   dtype=model.compute_dtype, device=self.output_device)
         self.index_buffers()
+        # One instance entered every step: building a fresh one costs as much again as entering it.
+        self._inference_mode = torch.inference_mode()
         # Fault injection for tests: called with a step's sequences before its forward; it may
         # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
         self.fault_hook: Callable[[list[SequenceStep]], None] | None = None
@@ -202,66 +202,99 @@ class ModelRunner:
         chunk that does not reach the end of what is known."""
         if not seqs:
             return []
-        if len(seqs) > self.max_num_seqs:
-            raise ValueError(f"step has {len(seqs)} sequences, more than max_num_seqs={self.max_num_seqs}")
+        num_seqs = len(seqs)
+        if num_seqs > self.max_num_seqs:
+            raise ValueError(f"step has {num_seqs} sequences, more than max_num_seqs={self.max_num_seqs}")
         if self.fault_hook is not None:
             self.fault_hook(seqs)
         # Decodes first, longest context first: the attention fast path batches them in
         # groups of similar length (see AttentionMetadata).
-        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i].new_token_ids) != 1,
-                                                        -seqs[i].context_len if len(seqs[i].new_token_ids) == 1 else 0))
-        stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with torch.inference_mode(), stream_ctx:
-            input_ids, positions, meta, logits_indices, sampled = self._prepare([seqs[i] for i in order])
-            # Read once: the fast path and the modules compute the same step, logits included.
-            computes = self.fast_path if self.fast_path is not None else self.model
-            if computes is self.model:  # called as a module, so forward hooks fire
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)
-            else:
-                hidden = computes.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
-            if not sampled:
-                return [None] * len(seqs)
-            sampled_seqs = [seqs[order[j]] for j in sampled]
-            num_samples = len(logits_indices)
-            logits = self._logits_rows.get(num_samples)
-            if logits is None:
-                logits = self._logits_rows[num_samples] = self.logits[:num_samples]
-            if num_samples == hidden.shape[0]:
-                # Every token is sampled (indices ascend and are distinct, so they are 0..T-1): no gather.
-                sampled_hidden = hidden
-            else:
-                index = self._stage("logits_indices", logits_indices).to(self.output_device, non_blocking=True)
-                sampled_hidden = hidden.index_select(0, index)
-            computes.compute_logits(sampled_hidden, out=logits)  # [R, V]
-            result = self.sampler(logits, sampling_batch(sampled_seqs))
-        results: list[SampledToken | list[SampledToken] | None] = [None] * len(seqs)
-        start = 0
-        for j, seq in zip(sampled, sampled_seqs):
-            tokens = [(result.token_ids[row], result.logprobs[row] if result.logprobs is not None else None,
-                       result.top_logprobs[row] if result.top_logprobs is not None else None)
-                      for row in range(start, start + seq.num_samples)]
-            start += seq.num_samples
-            results[order[j]] = tokens if seq.draft_token_ids else tokens[0]
+        if num_seqs == 1:
+            order, ordered = (0,), seqs
+        else:
+            # The keys built in one pass, so sorting calls no Python function per sequence.
+            keys = [(0, -s.context_len) if len(s.new_token_ids) == 1 else (1, 0) for s in seqs]
+            order = sorted(range(num_seqs), key=keys.__getitem__)
+            ordered = [seqs[i] for i in order]
+        if self.stream is None:
+            with self._inference_mode:
+                sampled, result = self._forward_and_sample(ordered)
+        else:
+            with self._inference_mode, torch.cuda.stream(self.stream):
+                sampled, result = self._forward_and_sample(ordered)
+        results: list[SampledToken | list[SampledToken] | None] = [None] * num_seqs
+        if not sampled:
+            return results
+        token_ids, logprobs, tops = result.token_ids, result.logprobs, result.top_logprobs
+        row = 0
+        for j in sampled:
+            seq = ordered[j]
+            if not seq.draft_token_ids:
+                results[order[j]] = (token_ids[row], logprobs[row] if logprobs is not None else None,
+                                     tops[row] if tops is not None else None)
+                row += 1
+                continue
+            stop = row + seq.num_samples
+            results[order[j]] = [(token_ids[r], logprobs[r] if logprobs is not None else None,
+                                  tops[r] if tops is not None else None) for r in range(row, stop)]
+            row = stop
         return results
+
+    def _forward_and_sample(self, seqs: list[SequenceStep]) -> tuple[list[int], SamplerOutput | None]:
+        """The step of `seqs` (in step order): the positions of the sequences that sample, and the
+        sampler's output for their rows (None when none samples)."""
+        input_ids, positions, meta, logits_indices, sampled = self._prepare(seqs)
+        # Read once: the fast path and the modules compute the same step, logits included.
+        computes = self.fast_path if self.fast_path is not None else self.model
+        if computes is self.model:  # called as a module, so forward hooks fire
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)
+        else:
+            hidden = computes.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if not sampled:
+            return sampled, None
+        num_samples = len(logits_indices)
+        logits = self._logits_rows.get(num_samples)
+        if logits is None:
+            logits = self._logits_rows[num_samples] = self.logits[:num_samples]
+        if num_samples == hidden.shape[0]:
+            # Every token is sampled (indices ascend and are distinct, so they are 0..T-1): no gather.
+            sampled_hidden = hidden
+        else:
+            index = self._stage("logits_indices", logits_indices).to(self.output_device, non_blocking=True)
+            sampled_hidden = hidden.index_select(0, index)
+        computes.compute_logits(sampled_hidden, out=logits)  # [R, V]
+        return sampled, self.sampler(logits, sampling_batch([seqs[j] for j in sampled]))
 
     def _prepare(self, seqs: list[SequenceStep]):
         input_ids: list[int] = []
         positions: list[int] = []
         logits_indices, sampled = [], []
+        tables, context_lens, query_lens = [], [], []
         for j, seq in enumerate(seqs):
-            input_ids.extend(seq.new_token_ids)
-            positions.extend(range(seq.context_len, seq.context_len + len(seq.new_token_ids)))
+            new, start = seq.new_token_ids, seq.context_len
+            num_new = len(new)
+            tables.append(seq.block_table)
+            context_lens.append(start)
+            query_lens.append(num_new)
+            if num_new == 1:  # a decode: no range to build
+                input_ids.append(new[0])
+                positions.append(start)
+            else:
+                input_ids.extend(new)
+                positions.extend(range(start, start + num_new))
             if seq.needs_sample:
                 # The last token's logits, and with a draft those of the tokens before each draft token.
-                logits_indices.extend(range(len(input_ids) - seq.num_samples, len(input_ids)))
+                if seq.draft_token_ids:
+                    logits_indices.extend(range(len(input_ids) - seq.num_samples, len(input_ids)))
+                else:
+                    logits_indices.append(len(input_ids) - 1)
                 sampled.append(j)
         if len(input_ids) > self.max_num_tokens:
             raise ValueError(f"step has {len(input_ids)} tokens, more than max_num_batched_tokens={self.max_num_tokens}")
         if len(logits_indices) > self.max_num_samples:
             raise ValueError(f"step samples {len(logits_indices)} positions, more than the {self.max_num_samples} "
                              f"its logits buffer holds (a draft longer than speculative_ngram_max_k?)")
-        meta = AttentionMetadata.build([s.block_table for s in seqs], [s.context_len for s in seqs],
-                                       [len(s.new_token_ids) for s in seqs], self.block_size, put=self._stage)
+        meta = AttentionMetadata.build(tables, context_lens, query_lens, self.block_size, put=self._stage)
         # logits_indices stay a list: a step that samples every token needs no gather, so no tensor.
         return self._stage("input_ids", input_ids), self._stage("positions", positions), meta, logits_indices, sampled
 
@@ -271,9 +304,9 @@ class ModelRunner:
         # numpy views of the host buffers: a step writes its Python lists through them, far cheaper
         # than building a tensor from each list and copying it in.
         self._host_arrays = {name: t.numpy() for name, t in self._host.items()}
-        # (name, rows[, width]) -> (host view, device view) of a buffer's front: slicing a tensor costs
-        # more than a dict lookup, and a step's sizes repeat. At most one entry per size a buffer takes.
-        self._fronts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (name, rows[, width]) -> (numpy view, host view, device view) of a buffer's front: slicing
+        # costs more than a dict lookup, and a step's sizes repeat. At most one entry per size a buffer takes.
+        self._fronts: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._logits_rows: dict[int, torch.Tensor] = {}  # R -> self.logits[:R], likewise
 
     def _stage(self, name: str, values: list) -> torch.Tensor:
@@ -282,14 +315,14 @@ class ModelRunner:
         device view."""
         # [:n], or [:rows, :width] for the block tables (their rows are padded to one width).
         key = (name, len(values), len(values[0])) if name == "block_tables" else (name, len(values))
-        front = tuple(slice(0, n) for n in key[1:])
-        self._host_arrays[name][front] = values
         views = self._fronts.get(key)
         if views is None:
+            front = tuple(slice(0, n) for n in key[1:])
             host = self._host[name][front]
             device = host if self._device is self._host else self._device[name][front]
-            views = self._fronts[key] = (host, device)
-        host, device = views
+            views = self._fronts[key] = (self._host_arrays[name][front], host, device)
+        array, host, device = views
+        array[...] = values
         if device is not host:  # CUDA; on the CPU the buffers are the step's tensors
             device.copy_(host, non_blocking=True)
         return device

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from shared.sampling_params import TopLogprobs
-from worker.request import Request
+from worker.request import FINISH_REASONS, Request
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class RequestOutput:
     num_accepted_draft_tokens: int = 0
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, and a delta is built
+# for every request of every step. Nothing changes one once it is built.
+@dataclass(slots=True)
 class RequestDelta:
     """One request's share of one step: the tokens it sampled, or that it ended."""
     request_id: str
@@ -60,33 +62,26 @@ class RequestDelta:
 def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings: bool = False,
               num_draft_tokens: int = 0, num_accepted_draft_tokens: int = 0) -> RequestDelta:
     """The delta of a step that took `new_token_ids` (the last ones of the request's output)."""
-    timings = {}
+    worker_queue_ms = prefill_ms = 0.0
     if with_timings and request.first_scheduled_s is not None and request.first_token_s is not None:
-        timings = dict(worker_queue_ms=(request.first_scheduled_s - request.arrival_s) * 1e3,
-                       prefill_ms=(request.first_token_s - request.first_scheduled_s) * 1e3)
+        worker_queue_ms = (request.first_scheduled_s - request.arrival_s) * 1e3
+        prefill_ms = (request.first_token_s - request.first_scheduled_s) * 1e3
     num_new = len(new_token_ids)
     new_logprobs, new_top_logprobs = [], []
-    if num_new and request.params.logprobs and request.output_logprobs:
-        new_logprobs = request.output_logprobs[-num_new:]
-    if num_new and request.params.top_logprobs and request.output_top_logprobs:
-        new_top_logprobs = request.output_top_logprobs[-num_new:]
-    return RequestDelta(
-        request_id=request.request_id,
-        new_token_ids=list(new_token_ids),
-        new_logprobs=new_logprobs,
-        new_top_logprobs=new_top_logprobs,
-        finished=request.is_finished,
-        finish_reason=request.finish_reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        num_preemptions=request.num_preemptions,
-        error=request.error,
-        peak_kv_blocks=request.peak_num_blocks,
-        final=final_output(request) if request.is_finished else None,
-        num_draft_tokens=num_draft_tokens,
-        num_accepted_draft_tokens=num_accepted_draft_tokens,
-        **timings,
-    )
+    if num_new:
+        params = request.params
+        if params.logprobs and request.output_logprobs:
+            new_logprobs = request.output_logprobs[-num_new:]
+        if params.top_logprobs and request.output_top_logprobs:
+            new_top_logprobs = request.output_top_logprobs[-num_new:]
+    status = request.status
+    finished = status.is_finished
+    # Arguments in the fields' order: keywords would cost every delta of every step more again.
+    return RequestDelta(request.request_id, list(new_token_ids), new_logprobs, finished, FINISH_REASONS.get(status),
+                        len(request.prompt_token_ids), request.num_cached_tokens, request.num_preemptions,
+                        request.error, worker_queue_ms, prefill_ms, request.peak_num_blocks,
+                        final_output(request) if finished else None, new_top_logprobs, num_draft_tokens,
+                        num_accepted_draft_tokens)
 
 
 def final_output(request: Request) -> RequestOutput:

@@ -118,11 +118,12 @@ class Request:
             if self.num_output_tokens >= self.params.max_tokens:
                 self.error = "max_tokens ended the output inside the structure its constraint asks for"
                 return RequestStatus.FINISHED_LENGTH
-        last = self.output_token_ids[-1]
-        if last in self.params.stop_token_ids:
+        outputs, params = self.output_token_ids, self.params
+        last = outputs[-1]
+        if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if not self.params.ignore_eos and last in self.eos_token_ids:
+        if not params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.params.max_tokens:
+        if len(outputs) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -54,7 +54,7 @@ def token_seed(seed: int, output_index: int) -> int:
     return mixed % MAX_SEED
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingBatch:
     """One row per request in the step, in the order of the logits rows."""
 
@@ -108,6 +108,7 @@ class Sampler:
 
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         self._generator = torch.Generator(device=self.device)
         if seed is None:
             self._generator.seed()  # nondeterministic, like an unseeded API call should be
@@ -129,9 +130,8 @@ class Sampler:
         logits (our kernel on CPU float32, no copy) even when other rows of the batch use features; only the
         rows that edit or sample their logits get the float32 copy, and only the rows that ask for logprobs
         get a log_softmax. Each row's result is what it would be alone."""
-        self._validate(logits, batch)
+        num_rows = self._validate(logits, batch)
         params = batch.params
-        num_rows = logits.shape[0]
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=None)
 
@@ -140,7 +140,10 @@ class Sampler:
         processed = []  # rows whose logits are edited or sampled (min_tokens' bans are added below)
         logprob_rows = []
         want_top = False
-        for i, p in enumerate(params):
+        for i, (p, g) in enumerate(zip(params, batch.generators)):
+            if g is not None or type(p) is not SamplingParams or p.seed is not None:
+                # Only such a row can be refused: the plain one (no seed, no generator) passes as it is.
+                self._validate_row(i, p, g, logits)
             edited = False
             if not p.is_greedy:
                 sampled_rows.append(i)
@@ -164,8 +167,9 @@ class Sampler:
         if (counted_rows or min_token_rows) and batch.output_token_ids is None:
             raise ValueError("batch.output_token_ids is required: some row uses presence_penalty, "
                              "frequency_penalty or min_tokens")
-        banned = self._banned_for_min_tokens(batch, min_token_rows)
-        constrained_rows = [i for i, c in enumerate(batch.constraints or ()) if c is not None]
+        banned = self._banned_for_min_tokens(batch, min_token_rows) if min_token_rows else {}
+        constraints = batch.constraints
+        constrained_rows = [i for i, c in enumerate(constraints) if c is not None] if constraints is not None else []
         if banned or constrained_rows:
             processed = sorted(set(processed).union(banned, constrained_rows))
 
@@ -327,34 +331,46 @@ class Sampler:
         q.clamp_min_(torch.finfo(torch.float32).tiny)
         return probs.div_(q).argmax(dim=-1)
 
-    def _validate(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+    def _validate(self, logits: torch.Tensor, batch: SamplingBatch) -> int:
+        """The checks of the logits and the batch's shape; returns the number of rows. Each row's params and
+        generator are checked in __call__'s pass over the rows (`_validate_row`), before any work, where one
+        could be wrong. Each tensor attribute read costs a call into torch: a valid step reads few."""
         if not isinstance(logits, torch.Tensor):
             raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be 2-D [B, V], got shape {tuple(logits.shape)}")
-        if not logits.is_floating_point():
+        shape = logits.shape
+        if len(shape) != 2:
+            raise ValueError(f"logits must be 2-D [B, V], got shape {tuple(shape)}")
+        if not logits.dtype.is_floating_point:
             raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
-        num_rows, vocab_size = logits.shape
+        num_rows, vocab_size = shape
         if vocab_size == 0:
             raise ValueError("logits have an empty vocabulary dimension (V == 0)")
-        lengths = {
-            "batch.params": len(batch.params),
-            "batch.generators": len(batch.generators),
-            "batch.token_histories": len(batch.token_histories),
-        }
-        for name in ("output_token_ids", "eos_token_ids", "seeds"):
-            if getattr(batch, name) is not None:
-                lengths[f"batch.{name}"] = len(getattr(batch, name))
-        for name, length in lengths.items():
-            if length != num_rows:
-                raise ValueError(f"logits have {num_rows} rows but {name} has {length} entries")
-        if logits.device.type != self.device.type:
+        outputs, eos, seeds = batch.output_token_ids, batch.eos_token_ids, batch.seeds
+        if (len(batch.params) != num_rows or len(batch.generators) != num_rows
+                or len(batch.token_histories) != num_rows or (outputs is not None and len(outputs) != num_rows)
+                or (eos is not None and len(eos) != num_rows) or (seeds is not None and len(seeds) != num_rows)):
+            lengths = {
+                "batch.params": len(batch.params),
+                "batch.generators": len(batch.generators),
+                "batch.token_histories": len(batch.token_histories),
+            }
+            for name in ("output_token_ids", "eos_token_ids", "seeds"):
+                if getattr(batch, name) is not None:
+                    lengths[f"batch.{name}"] = len(getattr(batch, name))
+            for name, length in lengths.items():
+                if length != num_rows:
+                    raise ValueError(f"logits have {num_rows} rows but {name} has {length} entries")
+        # is_cpu first: it costs far less than building the device's type string.
+        if logits.is_cpu != self._on_cpu or (not self._on_cpu and logits.device.type != self.device.type):
             raise ValueError(f"logits are on {logits.device} but this Sampler draws noise on {self.device}")
-        for i, (p, g) in enumerate(zip(batch.params, batch.generators)):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"batch.params[{i}] must be a SamplingParams, got {type(p).__name__}")
-            if p.seed is not None and g is None:
-                # Falling back to the shared generator would silently break the seed's reproducibility.
-                raise ValueError(f"row {i} has seed={p.seed} but no generator; create one with make_generator")
-            if g is not None and g.device.type != logits.device.type:
-                raise ValueError(f"row {i}'s generator is on {g.device} but logits are on {logits.device}")
+        return num_rows
+
+    @staticmethod
+    def _validate_row(i: int, p: SamplingParams, g: torch.Generator | None, logits: torch.Tensor) -> None:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"batch.params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        if p.seed is not None and g is None:
+            # Falling back to the shared generator would silently break the seed's reproducibility.
+            raise ValueError(f"row {i} has seed={p.seed} but no generator; create one with make_generator")
+        if g is not None and g.device.type != logits.device.type:
+            raise ValueError(f"row {i}'s generator is on {g.device} but logits are on {logits.device}")

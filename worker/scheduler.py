@@ -110,28 +110,31 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        config, blocks = self.config, self.blocks
+        budget = config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[Request] = []
         # Decodes first, then unfinished prompt chunks: a running decode never waits
         # behind more than one chunk.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        spare = draft_budget(len(order), self.config.max_step_tokens_with_drafts, self.config.max_num_batched_tokens)
+        running = self.running
+        order = [r for r in running if len(r.token_ids) - r.num_computed_tokens <= 1]
+        if len(order) < len(running):
+            order += [r for r in running if len(r.token_ids) - r.num_computed_tokens > 1]
+        spare = draft_budget(len(order), config.max_step_tokens_with_drafts, config.max_num_batched_tokens)
         for request in order:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(request, budget)
-            draft = draft_for(request, num_new, min(budget - 1, spare))
+            draft = draft_for(request, num_new, min(budget - 1, spare)) if request.speculation is not None else ()
             # A draft never preempts anyone: with the pool short the request decodes one token as usual.
-            if draft and self.blocks.allocate_slots(request.request_id,
-                                                    request.num_computed_tokens + 1 + len(draft)):
+            if draft and blocks.allocate_slots(request.request_id, request.num_computed_tokens + 1 + len(draft)):
                 scheduled[request.request_id] = ScheduledRequest(request, 1 + len(draft), tuple(draft))
                 budget -= 1 + len(draft)
                 spare -= len(draft)
                 continue
-            while not self.blocks.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            while not blocks.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = self._pick_victim(request, scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -140,8 +143,8 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = ScheduledRequest(request, num_new)
                 budget -= num_new
-        if not preempted:
-            max_running = self.config.max_num_seqs
+        if not preempted and self.waiting:
+            max_running = config.max_num_seqs
             if self.admission_paused:
                 max_running = 0 if self.running else 1
             budget = self._admit(budget, scheduled, max_running)
@@ -231,10 +234,9 @@ class Scheduler:
         scheduled[request.request_id] = ScheduledRequest(request, num_new)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if self.config.max_prefill_chunk_tokens:
-            num_new = min(num_new, self.config.max_prefill_chunk_tokens)
-        return num_new
+        num_new = min(len(request.token_ids) - request.num_computed_tokens, budget)
+        chunk_cap = self.config.max_prefill_chunk_tokens
+        return min(num_new, chunk_cap) if chunk_cap else num_new
 
     def _pick_victim(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> Request:
         """Lowest priority, then newest, among running requests not already given work
@@ -268,9 +270,10 @@ class Scheduler:
         blocks in the prefix cache, append the sampled token, and finish the requests that hit a
         stop condition or failed. Returns an update for each request that sampled or finished."""
         updates = []
+        blocks = self.blocks
         for item, result in zip(scheduled, results, strict=True):
             request = item.request
-            request.peak_num_blocks = max(request.peak_num_blocks, self.blocks.num_blocks_held(request.request_id))
+            request.peak_num_blocks = max(request.peak_num_blocks, blocks.num_blocks_held(request.request_id))
             if isinstance(result, StepFailure):
                 self.finish(request, RequestStatus.FINISHED_ERROR, result.error)
                 updates.append(RequestUpdate(request, ()))
@@ -279,13 +282,13 @@ class Scheduler:
                 updates.append(self._apply_verified(item, result))
                 continue
             request.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            blocks.cache_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
             if result is None:
                 continue
             token_id, logprob, top = result
             params = request.params
             request.append_token(token_id, logprob if params.logprobs else None, top if params.top_logprobs else None)
-            is_first = self._note_first_token(request)
+            is_first = request.first_token_s is None and self._note_first_token(request)
             status = request.stop_status()
             if status is not None:
                 self.finish(request, status)

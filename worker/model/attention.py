@@ -51,22 +51,29 @@ class AttentionMetadata:
         tokens, sequences in step order (one-token sequences first). Tensors are new int64 tensors
         on `device`, or whatever `put` makes of the values (the runner writes them into its
         preallocated, staged buffers)."""
+        query_lens, context_lens = list(query_lens), list(context_lens)
         slots: list[int] = []
         seq_lens: list[int] = []
         for table, ctx, q_len in zip(block_tables, context_lens, query_lens):
             # Flat slot of position p: its block's id * S + its offset in the block.
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q_len))
+            if q_len == 1:  # a decode: one slot, no range
+                slots.append(table[ctx // block_size] * block_size + ctx % block_size)
+            else:
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q_len))
             seq_lens.append(ctx + q_len)
         # Each table cut (or padded with block 0) to the blocks the longest sequence needs.
-        width = max(-(-n // block_size) for n in seq_lens)
-        tables = [list(table[:width]) + [0] * (width - len(table[:width])) for table in block_tables]
+        width = -(-max(seq_lens) // block_size)
+        tables = [table if type(table) is list and len(table) == width
+                  else list(table[:width]) + [0] * (width - len(table[:width])) for table in block_tables]
         if put is None:
             def put(name: str, values: list) -> torch.Tensor:
                 return torch.tensor(values, dtype=torch.int64, device=device)
-        num_decodes = next((b for b, q_len in enumerate(query_lens) if q_len != 1), len(query_lens))
+        num_decodes = len(query_lens)
+        if query_lens.count(1) != num_decodes:  # a prompt chunk: the decodes are the sequences before the first
+            num_decodes = next(b for b, q_len in enumerate(query_lens) if q_len != 1)
         return cls(slot_mapping=put("slot_mapping", slots), block_tables=put("block_tables", tables),
-                   seq_lens=put("seq_lens", seq_lens), query_lens=list(query_lens),
-                   context_lens=list(context_lens), num_decodes=num_decodes)
+                   seq_lens=put("seq_lens", seq_lens), query_lens=query_lens, context_lens=context_lens,
+                   num_decodes=num_decodes)
 
     @property
     def num_seqs(self) -> int:
