@@ -1,6 +1,8 @@
 """What one scheduler step hands the runner and gets back: the requests scheduled with their new
 tokens (and drafts), each one's result, and what the step changed in each. Data only; the
-scheduler (worker/scheduler.py) makes and consumes them."""
+scheduler (worker/scheduler.py) makes and consumes them. The per-request ones are slotted rather
+than frozen: several are built for every request of every step, and a frozen dataclass sets each
+field through object.__setattr__; nothing changes one once it is built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from worker.drafts import SampledToken
 from worker.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
@@ -31,7 +33,7 @@ class StepFailure:
 StepResult = SampledToken | list[SampledToken] | None | StepFailure
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestUpdate:
     """What one step changed in one request, for the engine to report."""
     request: Request
@@ -41,7 +43,7 @@ class RequestUpdate:
     num_accepted_tokens: int = 0  # and how many of them sampling confirmed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
