@@ -15,11 +15,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_harness import Cluster, generate
+from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(600)
 BLOCK = 16  # the engine's default block size
 CONVERSATIONS, TURNS = 12, 4
 VOCAB = 320  # conftest.served_checkpoint
+
+
+def _last_response(call):
+    last = None
+    for last in call:
+        pass
+    return last
 
 
 def metrics(cluster) -> dict[tuple[str, tuple], float]:
@@ -114,7 +122,9 @@ def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpo
     the rest go there, at once: none is left waiting in the gateway's queue while a worker has room."""
     rng = random.Random(11)
     system = [rng.randrange(3, VOCAB) for _ in range(160)]
-    sampling = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    # Long enough that all twelve still run when the last arrives, however fast a step is (12 x 1,201
+    # tokens fit either worker's 1,024 blocks without preemption).
+    sampling = inference_pb2.SamplingOptions(max_tokens=1000, temperature=0.0, ignore_eos=True)
     sections = {"dispatch": {"policy": "cache_aware", "new_conversation_load_cost_tokens": 8192},
                 "worker": {"num_kv_blocks": 1024}}
     with Cluster(served_checkpoint, num_workers=2, sections=sections) as cluster:
@@ -122,8 +132,12 @@ def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpo
                                sampling={"max_tokens": 2, "temperature": 0.0})
         holder = first.worker_id
         prompts = [system + [rng.randrange(3, VOCAB) for _ in range(40)] for _ in range(12)]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [pool.submit(generate, cluster.stub, prompt_token_ids=p, sampling=sampling) for p in prompts]
+        # Every call sent from this thread before any is read: client threads starting one by one
+        # on a loaded 2-core host spread the arrivals over longer than a generation takes.
+        calls = [cluster.stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=p, sampling=sampling),
+                                       timeout=120) for p in prompts]
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures = [pool.submit(_last_response, call) for call in calls]
             deadline = time.monotonic() + 60
             while True:  # all twelve on the workers while the first of them still run
                 status = cluster.status()
@@ -133,11 +147,11 @@ def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpo
                 time.sleep(0.02)
             results = [f.result(timeout=120) for f in futures]
         samples = metrics(cluster)
-    workers = [last.worker_id for _, _, last in results]
+    workers = [last.worker_id for last in results]
     assert workers.count(holder) >= 2 and len(set(workers)) == 2  # the cache drew work; its cost split it
     assert total(samples, "inference_routing_decisions_total", outcome="balanced") >= 1
     assert total(samples, "inference_routing_decisions_total", outcome="cache_hit") >= 1
-    on_holder = [last.usage.cached_prompt_tokens for _, _, last in results if last.worker_id == holder]
+    on_holder = [last.usage.cached_prompt_tokens for last in results if last.worker_id == holder]
     assert all(c >= 160 for c in on_holder)  # the system prompt's ten blocks
 
 
