@@ -1,6 +1,7 @@
-"""The structured-output benchmark's own helpers (bench/structured_output.py): its schemas and
-documents are valid, its arms differ only where they should, its counting and ratios are right,
-and its 32-row walk feeds the matchers only tokens their grammar allows."""
+"""The structured-output benchmark's own helpers (bench/structured_output_workload.py and
+bench/structured_output_arms.py): its schemas and documents are valid, its arms differ only where
+they should, its counting and ratios are right, and its 32-row walk feeds the matchers only tokens
+their grammar allows."""
 from __future__ import annotations
 
 import json
@@ -10,31 +11,32 @@ import numpy as np
 import pytest
 import torch
 
-from bench import structured_output as so
-from bench.serving_model import DEFAULT_MODEL_DIR, is_servable
+from bench import structured_output_arms as arms
+from bench import structured_output_workload as workload
+from bench.serving_model import DEFAULT_MODEL_DIR, is_servable, model_limits
 from bench.workload import QUICK, make_requests
 
 
 def test_schemas_grow_and_their_sampled_documents_validate():
-    schemas = so.compile_schemas()
+    schemas = workload.compile_schemas()
     sizes = [len(json.dumps(s)) for _, s in schemas]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
     rng = np.random.default_rng(0)
     for _, schema in schemas:
         jsonschema.Draft202012Validator.check_schema(schema)
         for _ in range(5):
-            instance = so.sample_instance(schema, rng)
+            instance = workload.sample_instance(schema, rng)
             jsonschema.validate(instance, schema)
-            assert json.loads(so.as_text(instance)) == instance
+            assert json.loads(workload.as_text(instance)) == instance
 
 
 def test_arms_differ_only_in_the_constrained_requests():
     requests = make_requests(QUICK, 1000)
-    constrained = so.constrained_indices(len(requests))
+    constrained = workload.constrained_indices(len(requests))
     assert constrained == [0, 4]
-    a = so.arm_params(requests)
-    b = so.arm_params(requests, "GRAMMAR", constrained)
-    c = so.arm_params(requests, lengths={0: 5, 4: 7})
+    a = arms.arm_params(requests)
+    b = arms.arm_params(requests, "GRAMMAR", constrained)
+    c = arms.arm_params(requests, lengths={0: 5, 4: 7})
     for i, r in enumerate(requests):
         assert a[i].temperature == b[i].temperature == c[i].temperature == 0.0
         assert a[i].ignore_eos and b[i].ignore_eos and c[i].ignore_eos
@@ -45,21 +47,21 @@ def test_arms_differ_only_in_the_constrained_requests():
 
 
 def test_validation_counts_completed_and_valid_outputs():
-    schema = so.W1_SCHEMA
-    good = so.as_text({"name": "x", "age": 3, "active": True, "role": "user"})
-    bad = so.as_text({"name": "x", "age": 300, "active": True, "role": "user"})
-    v = so.validate_outputs({0: good, 4: good[:10], 8: bad, 12: "{not json"},
-                            {0: "stop", 4: "length", 8: "stop", 12: "stop"}, schema)
+    schema = workload.W1_SCHEMA
+    good = workload.as_text({"name": "x", "age": 3, "active": True, "role": "user"})
+    bad = workload.as_text({"name": "x", "age": 300, "active": True, "role": "user"})
+    v = arms.validate_outputs({0: good, 4: good[:10], 8: bad, 12: "{not json"},
+                              {0: "stop", 4: "length", 8: "stop", 12: "stop"}, schema)
     assert (v.constrained, v.completed, v.valid) == (4, 3, 1)
     assert len(v.failures) == 3 and "#4 ended length" in v.failures[0]
 
 
 def test_rounds_rotate_and_ratios_pair_rounds():
-    assert so.rotations(["A", "B", "C"], 4) == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"], ["A", "B", "C"]]
-    runs = {"A": [so.ArmRun("A", 2.0, 100, 400, 0.0), so.ArmRun("A", 4.0, 100, 400, 0.01)],
-            "B": [so.ArmRun("B", 2.0, 100, 300, 0.0), so.ArmRun("B", 3.0, 100, 300, 0.02)],
-            "C": [so.ArmRun("C", 1.5, 100, 300, 0.0), so.ArmRun("C", 3.0, 100, 300, 0.0)]}
-    s = so.summarize_arms(runs)
+    assert arms.rotations(["A", "B", "C"], 4) == [["A", "B", "C"], ["B", "C", "A"], ["C", "A", "B"], ["A", "B", "C"]]
+    runs = {"A": [arms.ArmRun("A", 2.0, 100, 400, 0.0), arms.ArmRun("A", 4.0, 100, 400, 0.01)],
+            "B": [arms.ArmRun("B", 2.0, 100, 300, 0.0), arms.ArmRun("B", 3.0, 100, 300, 0.02)],
+            "C": [arms.ArmRun("C", 1.5, 100, 300, 0.0), arms.ArmRun("C", 3.0, 100, 300, 0.0)]}
+    s = arms.summarize_arms(runs)
     assert s["arms"]["B"]["tokens_per_s"] == pytest.approx(125.0)  # median of 150 and 100
     assert s["arms"]["B"]["ms_per_step"] == pytest.approx(25.0)
     assert s["arms"]["B"]["foreign_load_max"] == 0.02
@@ -76,13 +78,13 @@ def test_walk_keeps_every_row_inside_its_grammar():
     from protos import inference_pb2 as pb
     from worker.constraints import ConstraintCompiler, mask_rows
 
-    vocab, _ = so.model_limits(DEFAULT_MODEL_DIR)
-    eos = so.eos_ids(DEFAULT_MODEL_DIR)
+    vocab, _ = model_limits(DEFAULT_MODEL_DIR)
+    eos = workload.eos_ids(DEFAULT_MODEL_DIR)
     grammar = GatewayCompiler(DEFAULT_MODEL_DIR, vocab, eos).grammar(
-        pb.StructuredOutput(json_schema=json.dumps(so.W1_SCHEMA)))
+        pb.StructuredOutput(json_schema=json.dumps(workload.W1_SCHEMA)))
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
-    walk = so.Walk(ConstraintCompiler(DEFAULT_MODEL_DIR, vocab, eos), grammar, so.W1_SCHEMA, encode, rows=8)
+    walk = workload.Walk(ConstraintCompiler(DEFAULT_MODEL_DIR, vocab, eos), grammar, workload.W1_SCHEMA, encode, rows=8)
     assert len(set(walk.pos)) > 1  # spread positions
     restarted = False
     for _ in range(40):

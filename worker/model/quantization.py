@@ -9,15 +9,14 @@ Pure tensor code. The stored formats are our own and device independent:
 float in registers, CPU only; or, opted in by `use_int8_activations`, quantize the activations
 per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or
 "dequant" (rebuild the float weight into a reused buffer, then the float matmul). A
-`QuantizationPlan`, one per model, gives
-decode-sized steps our kernel wherever it runs (else the faster of the others), times the paths
-on each kind of layer's own shape and device for prefill-sized steps, and owns the buffer the
-dequant path rebuilds weights into: nothing is kept process-wide, so one engine's choices never
+`QuantizationPlan`, one per model, gives decode-sized steps our kernel wherever it runs (else
+the faster of the others), times the paths (`choose_path`, worker/model/path_choice.py) on each
+kind of layer's own shape and device for prefill-sized steps, and owns the buffer the dequant
+path rebuilds weights into: nothing is kept process-wide, so one engine's choices never
 depend on what ran before it in the process.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +25,10 @@ from torch import nn
 
 from worker.model import cpu_kernels
 from worker.model.int8_activation_panels import from_panels, to_panels
+# `choose_path` is called through this module's namespace (tests replace it here).
+from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
 
 INT4_GROUP_SIZE = 128
-SMALL_ROWS = 32  # at or below, a step is decode-sized: reading the weight dominates
-PATHS = ("ours", "kernel", "dequant")
 _EPS = 1e-8
 
 
@@ -306,41 +305,6 @@ class QuantizedLinear(nn.Module):
         return self.shape[1] % 64 == 0 and hasattr(torch, converter.get(device.type, "no such converter"))
 
 
-def choose_path(layer: QuantizedLinear, rows: int = 1, repeats: int = 5) -> str:
-    """Time every available path on `rows` rows of this layer's shape and device and keep the
-    fastest correct one for steps of that size (`small_path` up to SMALL_ROWS rows, else `path`)."""
-    x = torch.randn(rows, layer.in_features, dtype=layer.scales.dtype, device=layer.scales.device)
-    scaled = x if layer.input_scale is None else x * layer.input_scale
-    reference = F.linear(scaled, layer.dequantized())
-    attribute = "small_path" if rows <= SMALL_ROWS else "path"
-    timings = {}
-    for path in PATHS:
-        if not layer.path_available(path, x.device):
-            continue
-        setattr(layer, attribute, path)
-        try:
-            y = layer(x)
-        except RuntimeError:  # this torch build has no such kernel for this device or dtype
-            continue
-        if not torch.allclose(y - (0 if layer.bias is None else layer.bias), reference, rtol=1e-2, atol=1e-2):
-            continue
-        best = min(timings.values(), default=float("inf"))
-        fastest, count = float("inf"), 0
-        # A path's time is its fastest call: a call a neighbour process slowed says nothing about
-        # the path, and a mean would let one such call pick the slower path for the whole run.
-        # Repeats only while a path is in the running: two calls, the faster still twice the best so
-        # far, settle it (torch's packed kernels can be far slower at prefill sizes, and every layer is timed).
-        while count < repeats and (count < 2 or fastest < 2 * best):
-            started = time.perf_counter()
-            layer(x)
-            if x.device.type == "cuda":
-                torch.cuda.synchronize(x.device)
-            fastest, count = min(fastest, time.perf_counter() - started), count + 1
-        timings[path] = fastest
-    setattr(layer, attribute, min(timings, key=timings.get) if timings else "dequant")
-    return getattr(layer, attribute)
-
-
 def use_int8_activations(model: nn.Module) -> tuple[int, int]:
     """Quantize the activations of every quantized layer that can take it (`takes_int8_activations`)
     per 32-block to int8, and run it through our integer kernels at every step size: a token's
@@ -355,9 +319,6 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
             layer.hold_int8_activation_panels()
             switched += 1
     return switched, len(layers)
-
-
-PATH_TIMING_REPEATS = 3  # timed runs per path and row count when a plan measures a layer
 
 
 class QuantizationPlan:
