@@ -45,7 +45,8 @@ def to_panels(qweight: torch.Tensor, bits: int, in_features: int, group_size: in
     tiles = -(-rows // TILE_ROWS)
     padded = units.new_full((tiles * TILE_ROWS, units.shape[1], UNIT_BYTES), 128 if bits == 8 else 0)
     padded[:rows] = units
-    panels = padded.view(tiles, TILE_ROWS * units.shape[1], UNIT_BYTES)
+    panels = padded.view(tiles, TILE_ROWS, units.shape[1], UNIT_BYTES).transpose(1, 2).reshape(
+        tiles, units.shape[1] * TILE_ROWS, UNIT_BYTES)
     return panels.view(torch.int8) if bits == 8 else panels
 
 
@@ -54,7 +55,8 @@ def from_panels(panels: torch.Tensor, bits: int, shape: tuple[int, int], group_s
     rows, in_features = shape
     group = in_features if bits == 8 else group_size
     tiles = panels.shape[0]
-    units = panels.view(torch.uint8).view(tiles * TILE_ROWS, -1, UNIT_BYTES)[:rows]
+    units = panels.view(torch.uint8).view(tiles, -1, TILE_ROWS, UNIT_BYTES).transpose(1, 2).reshape(
+        tiles * TILE_ROWS, -1, UNIT_BYTES)[:rows]
     if bits == 8:
         slots = units.to(torch.int16) - 128
     else:

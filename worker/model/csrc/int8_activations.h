@@ -32,7 +32,7 @@ struct WeightPanels {
   int64_t slots_per_group = 0, slots_per_row = 0, units_per_row = 0;
 
   const uint8_t* unit(int64_t column_tile, int64_t u, int64_t j) const {
-    return data + ((column_tile * kCols + j) * units_per_row + u) * 64;
+    return data + ((column_tile * units_per_row + u) * kCols + j) * 64;
   }
 };
 
