@@ -4,15 +4,23 @@ its memory and caches): `python -m bench.ours_decode_child SPEC_JSON OUT_JSON`.
 SPEC: model_dir, engine (EngineConfig overrides), decode_tokens and repeats (the single-stream
 decode rate, measured as bench/decode_rate.py does: (t(n+1) - t(1)) / n, so prefill cancels),
 batched ([sequences, prompt length, new tokens], or null). Writes decode_tok_s, batched_tok_s,
-the weight bytes a decode step reads and the fast path's route.
+the weight bytes a decode step reads, the fast path's route, whether torch was asked for huge pages and
+how much of the process they hold. The process runs under the environment a worker process sets before torch loads
+(worker/process_environment.py, the worker settings' defaults); a variable already set wins.
 """
 from __future__ import annotations
 
+import os
 import time
 
-import torch
+from shared.config import WorkerConfig
+from worker.process_environment import TORCH_HUGE_PAGES, anon_huge_page_bytes, apply_model_process_environment
 
-from bench.json_child import json_child_main
+apply_model_process_environment(WorkerConfig.cpu_huge_pages)
+
+import torch  # noqa: E402  (after the environment: torch reads it at its first allocation)
+
+from bench.json_child import json_child_main  # noqa: E402
 
 
 def weight_bytes_per_token(model) -> int:
@@ -45,7 +53,8 @@ def measure(spec: dict) -> dict:
     record = dict(decode_tok_s=rate.tokens_per_s, step_ms=1000.0 / rate.tokens_per_s if rate.tokens_per_s else None,
                   weight_bytes_per_token=weight_bytes_per_token(engine.model),
                   route=fast_path.describe() if fast_path is not None else "modules",
-                  threads=torch.get_num_threads())
+                  threads=torch.get_num_threads(), huge_pages=os.environ.get(TORCH_HUGE_PAGES) == "1",
+                  huge_page_bytes=anon_huge_page_bytes())
     if spec.get("batched"):
         sequences, prompt_len, new_tokens = spec["batched"]
         prompts = [torch.randint(3, vocab, (prompt_len,), generator=generator).tolist() for _ in range(sequences)]

@@ -208,6 +208,10 @@ class WorkerConfig(EngineConfig):
     restart_backoff_s: float = 0.5  # supervisor: first delay before a restart, doubled per quick crash
     max_restart_backoff_s: float = 10.0
     cuda_alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF for the model process
+    # Large CPU tensors (the weights as the kernels hold them, the KV pools) on 2 MiB transparent
+    # huge pages (torch's THP_MEM_ALLOC_ENABLE): a decode step streams every weight, and with 4 KiB
+    # pages it takes a TLB miss every 4 KiB of it. Nothing changes where the host's THP is off.
+    cpu_huge_pages: bool = True
     # The memory watchdog (worker/watchdog.py): levels as fractions of memory_limit_bytes. A level
     # is entered at its fraction and left below (fraction - memory_hysteresis_fraction).
     memory_high_fraction: float = 0.85  # HIGH: admit nothing new, evict prefix-cache blocks

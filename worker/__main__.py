@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from shared.config import add_config_flags, config_from_args
 from shared.cpu_affinity import pin_process
 from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect
+from worker.process_environment import apply_model_process_environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch starts its threads: they inherit the mask.
     if cores := pin_process(args.worker_id, config):
         logging.getLogger("worker").info("pinned to cores %s", cores)
-    if config.worker.cuda_alloc_conf:
-        # Read by torch when CUDA initialises, so it must be set before the engine loads.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", config.worker.cuda_alloc_conf)
+    apply_model_process_environment(config.worker.cpu_huge_pages, config.worker.cuda_alloc_conf)
     from worker.service import WorkerService  # imports torch: after the environment is set
     return WorkerService(config, args.worker_id).run()
 
