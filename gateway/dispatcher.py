@@ -20,6 +20,7 @@ from typing import Callable
 
 import grpc
 
+from gateway.dispatch_window import DispatchWindow
 from gateway.loop_lag import LoopLag
 from gateway.metrics import Metrics
 from gateway.model_check import ModelCheck
@@ -219,12 +220,13 @@ class Dispatcher:
 
     # ---- gateway -> worker -------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
-        window_s = self.config.queues.batch_window_ms / 1e3
+        window = DispatchWindow(self.config.queues.batch_window_ms / 1e3)
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if window_s > 0:
-                await asyncio.sleep(window_s)  # let requests that arrive together leave together
+            if (wait_s := window.wait_s(time.monotonic())) > 0:
+                await asyncio.sleep(wait_s)
+            window.passed(time.monotonic(), had_work=len(self.queue) > 0)
             await self._dispatch_ready()
 
     async def _dispatch_ready(self) -> None:

@@ -131,7 +131,10 @@ class QueueConfig:
     # (priority_at_most, max_wait_s) pairs: a request of priority p gets the first pair with p <= bound.
     # A request still queued after max_wait_s fails with DEADLINE_EXCEEDED. Empty: no limit.
     max_queue_wait_s: tuple[tuple[int, float], ...] = ()
-    batch_window_ms: float = 2.0  # requests arriving within this window are dispatched together
+    # Dispatch passes at most once per window (gateway/dispatch_window.py): a request that finds
+    # the dispatcher quiet for a window leaves at once; those arriving within a window of the last
+    # pass wait out its rest and leave together.
+    batch_window_ms: float = 2.0
     max_batch_size: int = 16
     retry_after_ms: int = 1000  # the hint sent with RESOURCE_EXHAUSTED
     # "priority": length buckets x (priority, deadline, arrival); "fifo": one queue in arrival
