@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import cpu_kernels
+from worker.model import cpu_kernels, weight_arena
 from worker.model.int8_activation_panels import from_panels, to_panels
 # `choose_path` is called through this module's namespace (tests replace it here).
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
 
 INT4_GROUP_SIZE = 128
+# A layer's buffers that int8 activations hold in one arena with every other such layer's.
+ARENA_BUFFERS = ("qweight_panels", "scales", "zeros")
 _EPS = 1e-8
 
 
@@ -202,6 +204,11 @@ class QuantizedLinear(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if "qweight_panels" in self._buffers:
             destination[prefix + "qweight"] = self._row_major_from_panels()
+            # Views of the layers' shared arena (use_int8_activations) are saved as tensors of their
+            # own: a checkpoint writer refuses tensors that share memory.
+            for name in ARENA_BUFFERS:
+                if prefix + name in destination:
+                    destination[prefix + name] = destination[prefix + name].clone()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         panels = self._buffers.pop("qweight_panels", None)
@@ -312,13 +319,15 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
     preemption). Each switched layer holds its weight as those kernels' panels. (layers switched,
     quantized layers in all)."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    switched = 0
-    for layer in layers:
-        if layer.takes_int8_activations():
-            layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
-            layer.hold_int8_activation_panels()
-            switched += 1
-    return switched, len(layers)
+    switched = [layer for layer in layers if layer.takes_int8_activations()]
+    for layer in switched:
+        layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
+        layer.hold_int8_activation_panels()
+    # What each decode step reads, in one allocation (weight_arena.py: all on huge pages).
+    held = [(layer, name) for layer in switched for name in ARENA_BUFFERS if layer._buffers.get(name) is not None]
+    for (layer, name), view in zip(held, weight_arena.gather([layer._buffers[name] for layer, name in held])):
+        layer._buffers[name] = view
+    return len(switched), len(layers)
 
 
 class QuantizationPlan:

@@ -1,0 +1,44 @@
+"""One allocation for what a decode step streams (worker/model/weight_arena.py): the copies are
+equal, aligned views of one storage; int8-activation layers hold their panels, scales and zeros
+there, compute what they computed, and still save tensors of their own."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from worker.model import cpu_kernels, weight_arena
+from worker.model.quantization import QuantizedLinear, quantize, use_int8_activations
+
+
+def test_gather_copies_into_one_storage_at_cache_line_boundaries():
+    tensors = [torch.randn(3, 5), torch.randint(0, 255, (7,), dtype=torch.uint8), torch.randn(2, 2).double()]
+    views = weight_arena.gather(tensors)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    for original, view in zip(tensors, views):
+        assert view.dtype == original.dtype and view.shape == original.shape and torch.equal(view, original)
+        assert view.data_ptr() % weight_arena.ALIGN_BYTES == 0 and view.is_contiguous()
+    tensors[0].zero_()  # copies, not aliases
+    assert views[0].abs().sum() > 0
+    assert weight_arena.gather([]) == []
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")
+def test_int8_activation_layers_share_one_arena_and_save_their_own_tensors(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(QuantizedLinear(quantize(torch.randn(40, 128, generator=g), 4, group_size=64)),
+                                QuantizedLinear(quantize(torch.randn(24, 96, generator=g), 8)))
+    x0, x1 = torch.randn(2, 128, generator=g), torch.randn(2, 96, generator=g)
+    reference = torch.nn.Sequential(*[QuantizedLinear.empty(m.bits, m.shape, m.group_size) for m in model])
+    reference.load_state_dict(model.state_dict())
+    assert use_int8_activations(reference) == (2, 2)
+    want = (reference[0](x0), reference[1](x1))
+    assert use_int8_activations(model) == (2, 2)
+    held = [model[0].kernel_weight(), model[0].scales, model[0].zeros, model[1].kernel_weight(), model[1].scales]
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    assert torch.equal(model[0](x0), want[0]) and torch.equal(model[1](x1), want[1])
+    state = model.state_dict()
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
+    save_file(state, str(tmp_path / "model.safetensors"))  # refuses tensors that share memory
+    loaded = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
