@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch starts its threads: they inherit the mask.
     if cores := pin_process(args.worker_id, config):
         logging.getLogger("worker").info("pinned to cores %s", cores)
-    apply_model_process_environment(config.worker.cpu_huge_pages, config.worker.cuda_alloc_conf)
+    if environment := apply_model_process_environment(config.worker.cpu_huge_pages, config.worker.cuda_alloc_conf):
+        logging.getLogger("worker").info("torch environment: %s", " ".join(f"{k}={v}" for k, v in environment.items()))
     from worker.service import WorkerService  # imports torch: after the environment is set
     return WorkerService(config, args.worker_id).run()
 
