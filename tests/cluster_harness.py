@@ -101,8 +101,13 @@ def generate(stub, timeout: float = 60.0, metadata: tuple = (), **fields
     """Run one Generate to its end: (token ids, text, last response)."""
     sampling = fields.pop("sampling", {})
     request = inference_pb2.GenerateRequest(sampling=inference_pb2.SamplingOptions(**sampling), **fields)
+    return drain(stub.Generate(request, timeout=timeout, metadata=metadata))
+
+
+def drain(call) -> tuple[list[int], str, inference_pb2.GenerateResponse]:
+    """Read a started Generate call to its end: (token ids, text, last response)."""
     ids, text, last = [], "", None
-    for response in stub.Generate(request, timeout=timeout, metadata=metadata):
+    for response in call:
         ids.extend(response.token_ids)
         text += response.text
         last = response

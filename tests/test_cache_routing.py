@@ -14,20 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster_harness import Cluster, generate
+from cluster_harness import Cluster, drain, generate
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(600)
 BLOCK = 16  # the engine's default block size
 CONVERSATIONS, TURNS = 12, 4
 VOCAB = 320  # conftest.served_checkpoint
-
-
-def _last_response(call):
-    last = None
-    for last in call:
-        pass
-    return last
 
 
 def metrics(cluster) -> dict[tuple[str, tuple], float]:
@@ -137,7 +130,7 @@ def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpo
         calls = [cluster.stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=p, sampling=sampling),
                                        timeout=120) for p in prompts]
         with ThreadPoolExecutor(len(calls)) as pool:
-            futures = [pool.submit(_last_response, call) for call in calls]
+            futures = [pool.submit(drain, call) for call in calls]
             deadline = time.monotonic() + 60
             while True:  # all twelve on the workers while the first of them still run
                 status = cluster.status()
@@ -147,11 +140,11 @@ def test_a_saturated_prefix_holder_sheds_work_to_the_other_worker(served_checkpo
                 time.sleep(0.02)
             results = [f.result(timeout=120) for f in futures]
         samples = metrics(cluster)
-    workers = [last.worker_id for last in results]
+    workers = [last.worker_id for _, _, last in results]
     assert workers.count(holder) >= 2 and len(set(workers)) == 2  # the cache drew work; its cost split it
     assert total(samples, "inference_routing_decisions_total", outcome="balanced") >= 1
     assert total(samples, "inference_routing_decisions_total", outcome="cache_hit") >= 1
-    on_holder = [last.usage.cached_prompt_tokens for last in results if last.worker_id == holder]
+    on_holder = [last.usage.cached_prompt_tokens for _, _, last in results if last.worker_id == holder]
     assert all(c >= 160 for c in on_holder)  # the system prompt's ten blocks
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway_fake_cluster import FakeCluster, request
+from cluster_harness import generate
+from gateway_fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.timeout(120)
 WINDOW_MS = 2000.0
@@ -14,10 +15,7 @@ SHORT = dict(max_tokens=2, ignore_eos=True)
 
 
 def _final(cluster, request_id: str):
-    last = None
-    for last in cluster.stub.Generate(request(request_id=request_id, sampling=SHORT), timeout=30):
-        pass
-    return last
+    return generate(cluster.stub, timeout=30, prompt_token_ids=[5, 6, 7], request_id=request_id, sampling=SHORT)[2]
 
 
 def test_a_lone_request_skips_the_window_and_the_next_one_waits_out_its_rest(served_checkpoint):

@@ -26,11 +26,11 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for t in tensors:
         total = -(-total // ALIGN_BYTES) * ALIGN_BYTES
         offsets.append(total)
-        total += t.numel() * t.element_size()
+        total += t.nbytes
     arena = torch.empty(total, dtype=torch.uint8, device=device)
     views = []
     for t, offset in zip(tensors, offsets):
-        view = arena[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         views.append(view)
     return views
