@@ -80,8 +80,8 @@ def parse_args(argv):
     p.add_argument("--model", default="auto",
                    help='"auto" (models/default if servable, else bench-small), "default", "bench-small" or a folder')
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads for the engine and the worker alike; 0 = what a 1-worker cluster gets by "
-                        "default (the usable cores less worker.reserved_cores: 1 on a 2-core host)")
+                   help="torch threads for the engine and the worker alike; 0 = what a 1-worker cluster gets with "
+                        "a core kept for the gateway (worker.reserved_cores 1: 1 thread on a 2-core host)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine / worker batch for (a) and (b)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the gateway's stream_interval for (a)-(c): tokens per GenerateResponse (1 = every token)")
@@ -102,7 +102,10 @@ def parse_args(argv):
 def worker_section(args, max_num_seqs: int, **extra) -> dict:
     # No prefix caching: a retried run then replays exactly the same work, and nothing here
     # shares prefixes anyway (random prompt ids).
-    return {"num_threads": args.threads, "max_num_seqs": max_num_seqs, "enable_prefix_caching": False, **extra}
+    # A core of its own for the gateway (and the load generator beside it), whatever the host's size:
+    # this measures the cluster's path, not the workers' share of a crowded core.
+    return {"num_threads": args.threads, "reserved_cores": 1, "max_num_seqs": max_num_seqs,
+            "enable_prefix_caching": False, **extra}
 
 
 def engine_for(model_dir: Path, worker: dict):
@@ -158,9 +161,9 @@ _core_plan: dict[str, list[int]] = {}
 
 
 def one_worker_config(threads: int = 0):
-    """The config of a 1-worker cluster with `threads` torch threads (0: its default share of the cores)."""
+    """The config of a 1-worker cluster with `threads` torch threads (0: the cores less the gateway's one)."""
     from shared.config import load_config
-    return load_config(None, {"num_workers": 1, "worker.num_threads": threads})
+    return load_config(None, {"num_workers": 1, "worker.num_threads": threads, "worker.reserved_cores": 1})
 
 
 def pinned(role: str | None):

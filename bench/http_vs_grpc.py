@@ -12,10 +12,13 @@ side's rounds alternating and the medians reported:
   (b) a real model: a 1-worker cluster serving bench-small with a real worker, over gRPC and HTTP;
   (c) llama.cpp's llama-server serving the same weights (bench-small as float32 GGUF), `-t 2`,
       `-np` = the concurrency, `-cb`, the same workload over its OpenAI endpoint, beside (b)'s
-      rounds; ratio: our HTTP / llama-server. Skipped, with the reason, where llama.cpp is absent.
+      rounds, against a second 1-worker cluster with the default settings, which on a host of
+      fewer than 8 cores give the worker every core, as llama-server has them (side "HTTP, every
+      core"); ratio: that HTTP / llama-server. Skipped, with the reason, where llama.cpp is absent.
 Targets: HTTP >= 90% of gRPC's throughput; < 1 ms added ITL p50 (HTTP minus gRPC).
-The client runs on the gateway's reserved core for cluster runs (as in bench/cluster_vs_engine.py)
-and unpinned for llama-server, which is given both cores.
+(a) and (b) measure the path, so their clusters keep a core for the gateway (worker.reserved_cores
+1, as in bench/cluster_vs_engine.py) and their client runs on it; llama-server and the cluster on
+every core share both cores with an unpinned client.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ FOREIGN_WARN = 0.10
 LLAMA_EXTRA = {"cache_prompt": False}  # alternating rounds repeat prompts: no KV reuse across them
 DEFAULT_JSON = Path("bench/results/http_vs_grpc.json")
 HTTPX_SIDE = "HTTP, httpx client"
+EVERY_CORE_SIDE = "HTTP, every core"
+# The path's measurements: the gateway and the client on a core of their own.
+RESERVED = {"reserved_cores": 1}
 
 
 @dataclass(frozen=True)
@@ -188,7 +194,7 @@ def fake_phase(args, plan, model_dir, vocab, ctx, specs) -> dict:
     trace_dir = Path(tempfile.mkdtemp(prefix="icb-http-"))
     trace_path = trace_dir / "trace.json"
     sections = {"gateway": {"http_port": free_port()},
-                "worker": {"max_num_seqs": max(32, plan.concurrency), "max_queued": 0}}
+                "worker": {"max_num_seqs": max(32, plan.concurrency), "max_queued": 0, **RESERVED}}
     cluster = ClusterProcess(model_dir, 1, sections,
                              worker_module=["bench.fake_worker", "--step-ms", str(args.step_ms),
                                             "--trace", str(trace_path)])
@@ -232,7 +238,8 @@ def profile_phase(args, plan, model_dir, vocab, ctx, specs) -> dict[str, str]:
         prof_dir = Path(tempfile.mkdtemp(prefix="icb-prof-"))
         prof = prof_dir / "gateway.prof"
         cluster = ClusterProcess(model_dir, 1, {"gateway": {"http_port": free_port()},
-                                                "worker": {"max_num_seqs": max(32, plan.concurrency), "max_queued": 0}},
+                                                "worker": {"max_num_seqs": max(32, plan.concurrency), "max_queued": 0,
+                                                           **RESERVED}},
                                  gateway_module=["cProfile", "-o", str(prof), "-m", "gateway"],
                                  worker_module=["bench.fake_worker", "--step-ms", str(args.step_ms),
                                                 "--trace", str(prof_dir / "trace.json")])
@@ -270,15 +277,22 @@ def model_phase(args, plan, model_dir, vocab, ctx, specs) -> dict:
         reason = "--skip-llama"
     if llama is None:
         log(f"(c) skipped: {reason}")
-    sections = {"gateway": {"http_port": free_port()},
-                "worker": {"enable_prefix_caching": False, "max_num_seqs": max(32, plan.concurrency)}}
+    worker = {"enable_prefix_caching": False, "max_num_seqs": max(32, plan.concurrency)}
     log("(b) starting a 1-worker cluster serving bench-small")
-    with ClusterProcess(model_dir, 1, sections) as cluster:
+    with ClusterProcess(model_dir, 1, {"gateway": {"http_port": free_port()},
+                                       "worker": {**worker, **RESERVED}}) as cluster:
         url = f"http://127.0.0.1:{cluster.http_port}"
         sides = {"gRPC": (grpc_side(cluster), cluster.cpu_seconds, "gateway"),
                  "HTTP": (http_side(url, args.client, CLUSTER_EXTRA, "HTTP"), cluster.cpu_seconds, "gateway")}
+        every_core = None
         try:
             if llama is not None:
+                log("(c) starting a 1-worker cluster with the default cores")
+                every_core = ClusterProcess(model_dir, 1, {"gateway": {"http_port": free_port()}, "worker": worker})
+                every_core.start(ready_timeout_s=120)
+                sides[EVERY_CORE_SIDE] = (
+                    http_side(f"http://127.0.0.1:{every_core.http_port}", args.client, CLUSTER_EXTRA, EVERY_CORE_SIDE),
+                    every_core.cpu_seconds, None)
                 log(f"(c) starting llama-server: {' '.join(llama.args[1:])}")
                 llama.start()
                 sides["llama-server"] = (http_side(llama.base_url, args.client, LLAMA_EXTRA, "llama-server"),
@@ -290,6 +304,8 @@ def model_phase(args, plan, model_dir, vocab, ctx, specs) -> dict:
         finally:
             if llama is not None:
                 llama.stop()
+            if every_core is not None:
+                every_core.stop()
     return {"runs": runs, "llama_skipped": reason if llama is None else "",
             "llama_args": llama.args[1:] if llama is not None else None}
 
@@ -311,7 +327,7 @@ def main(argv=None) -> int:
         plan = replace(plan, concurrency=args.concurrency)
     from shared.config import load_config
     from shared.cpu_affinity import plan_cores
-    _core_plan.update(plan_cores(load_config(None, {"num_workers": 1})) or {})
+    _core_plan.update(plan_cores(load_config(None, {"num_workers": 1, "worker.reserved_cores": 1})) or {})
     t_start = time.perf_counter()
     model_dir = resolve_model("bench-small")
     vocab, ctx = model_limits(model_dir)
@@ -340,8 +356,8 @@ def main(argv=None) -> int:
                 comparisons[label.replace("HTTP", "HTTP (httpx client)", 1)] = compare(summaries[phase], "gRPC",
                                                                                        HTTPX_SIDE)
     if "llama-server" in summaries.get("(b) bench-small", {}):
-        comparisons["(c) our HTTP / llama-server, bench-small"] = compare(summaries["(b) bench-small"],
-                                                                         "llama-server", "HTTP")
+        comparisons["(c) our HTTP, every core / llama-server, bench-small"] = compare(
+            summaries["(b) bench-small"], "llama-server", EVERY_CORE_SIDE)
     report = {"model_dir": str(model_dir), "client": args.client, "concurrency": plan.concurrency,
               "step_ms": args.step_ms, "llama_threads": args.llama_threads, "llama_args": llama_args,
               "llama_skipped": llama_skipped, "cpus": os.cpu_count(), "cores": dict(_core_plan),

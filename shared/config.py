@@ -193,6 +193,12 @@ class DispatchConfig:
             _check(getattr(self, name) >= 0, f"dispatch.{name}", getattr(self, name), ">= 0")
 
 
+# `worker.reserved_cores = -1` keeps a core for the gateway from this many usable cores up, where
+# one is at most an eighth of the compute; below, sharing the cores costs the workers less than
+# giving one up (docs/benchmarks.md, the HTTP API against llama-server).
+RESERVE_FROM_CORES = 8
+
+
 @dataclass(frozen=True)
 class WorkerConfig(EngineConfig):
     """The `[worker]` section: the engine's settings (inherited, read by the engine as they are)
@@ -200,8 +206,10 @@ class WorkerConfig(EngineConfig):
     # Cores left to the gateway (and whatever else shares the host) when num_threads is 0: a
     # worker's OpenMP threads spin between parallel regions, and a gateway wake-up that
     # deschedules one stalls the whole region (docs/benchmarks.md). In a cluster, num_threads 0
-    # means the host's cores less reserved_cores, split evenly between workers.
-    reserved_cores: int = 1
+    # means the host's cores less reserved_cores, split evenly between workers. -1 (auto): one
+    # core on hosts with RESERVE_FROM_CORES or more, none on smaller ones, where a core is too
+    # large a share of the compute to leave to a gateway that uses a few percent of one.
+    reserved_cores: int = -1
     # Where the host has the cores (reserved_cores + num_workers x threads), pin each worker to
     # its own cores and the gateway to the reserved ones (shared/cpu_affinity.py).
     pin_cores: bool = True
@@ -231,8 +239,9 @@ class WorkerConfig(EngineConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("reserved_cores", "max_queued", "memory_limit_bytes", "empty_cache_fragmentation_bytes"):
+        for name in ("max_queued", "memory_limit_bytes", "empty_cache_fragmentation_bytes"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        _check(self.reserved_cores >= -1, "reserved_cores", self.reserved_cores, ">= 0, or -1 (auto)")
         _check(0 < self.memory_high_fraction < self.memory_critical_fraction <= 1, "memory_high_fraction",
                self.memory_high_fraction, "in (0, memory_critical_fraction), with memory_critical_fraction <= 1")
         _check(0 <= self.memory_hysteresis_fraction < self.memory_high_fraction,
@@ -275,12 +284,19 @@ class ClusterConfig:
     def worker_endpoint(self) -> str:
         return self.gateway.worker_endpoint or f"ipc://{Path(self.run_dir).resolve()}/gateway.ipc"
 
+    def reserved_cores(self) -> int:
+        """Cores kept from the workers' threads: `worker.reserved_cores`, or where that is -1 (auto)
+        one on a host with RESERVE_FROM_CORES usable cores or more and none below."""
+        if self.worker.reserved_cores >= 0:
+            return self.worker.reserved_cores
+        return 1 if len(usable_cores()) >= RESERVE_FROM_CORES else 0
+
     def worker_threads(self) -> int:
         """torch threads per worker: `worker.num_threads`, or the cores this process may run on,
-        less `worker.reserved_cores`, split evenly between the workers (at least one each)."""
+        less the reserved cores, split evenly between the workers (at least one each)."""
         if self.worker.num_threads:
             return self.worker.num_threads
-        return max(1, (len(usable_cores()) - self.worker.reserved_cores) // max(1, self.num_workers))
+        return max(1, (len(usable_cores()) - self.reserved_cores()) // max(1, self.num_workers))
 
 
 def usable_cores() -> list[int]:

@@ -19,7 +19,7 @@ def plan_cores(config: ClusterConfig, cores: list[int] | None = None) -> dict[st
     """{worker id or "gateway": its cores}, or None where the config or the host leaves the
     processes unpinned (`worker.pin_cores` off, no reserved core, or too few cores)."""
     cores = usable_cores() if cores is None else cores
-    reserved, threads = config.worker.reserved_cores, config.worker_threads()
+    reserved, threads = config.reserved_cores(), config.worker_threads()
     if (not config.worker.pin_cores or not hasattr(os, "sched_setaffinity") or reserved <= 0
             or len(cores) < reserved + config.num_workers * threads):
         return None

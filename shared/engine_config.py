@@ -54,7 +54,9 @@ class EngineConfig:
     kv_cache_dtype: str = ""
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
     max_num_seqs: int = 32
-    max_num_batched_tokens: int = 1024
+    # Tokens one step computes, decodes and prompt chunks together: a step's length, so also how
+    # long running decodes wait behind new prompts (a longer prompt takes several steps).
+    max_num_batched_tokens: int = 512
     # Most prompt tokens one request computes in a step: bounds how long decodes wait behind a
     # long prompt. 0: the whole step budget.
     max_prefill_chunk_tokens: int = 0

@@ -80,10 +80,20 @@ def test_cpu_threads_are_split_between_workers_after_the_gateways_core(monkeypat
     assert load_config(None, {"num_workers": 2, "worker.reserved_cores": 0}).worker_threads() == 4
     assert load_config(None, {"num_workers": 16}).worker_threads() == 1
     assert load_config(None, {"worker.num_threads": 3}).worker_threads() == 3
-    monkeypatch.setattr("shared.config.usable_cores", lambda: [0, 1])
-    assert load_config(None, {"num_workers": 1}).worker_threads() == 1  # this 2-core host: one for the gateway
     with pytest.raises(ConfigError, match="worker.reserved_cores"):
-        load_config(None, {"worker.reserved_cores": -1})
+        load_config(None, {"worker.reserved_cores": -2})
+
+
+def test_hosts_below_eight_cores_keep_no_core_from_the_workers_unless_told(monkeypatch):
+    monkeypatch.setattr("shared.config.usable_cores", lambda: [0, 1])  # this 2-core host
+    assert load_config(None, {"num_workers": 1}).reserved_cores() == 0
+    assert load_config(None, {"num_workers": 1}).worker_threads() == 2
+    assert load_config(None, {"num_workers": 2}).worker_threads() == 1
+    assert load_config(None, {"num_workers": 1, "worker.reserved_cores": 1}).worker_threads() == 1
+    monkeypatch.setattr("shared.config.usable_cores", lambda: list(range(7)))
+    assert load_config(None, {"num_workers": 1}).worker_threads() == 7
+    monkeypatch.setattr("shared.config.usable_cores", lambda: list(range(8)))
+    assert load_config(None, {"num_workers": 1}).reserved_cores() == 1
 
 
 def test_usable_cores_follow_the_affinity_mask(monkeypatch):

@@ -44,7 +44,7 @@ def test_every_key_of_the_default_toml_reaches_the_engine_with_its_value(checkpo
     for name, value in section.items():
         if name in ENGINE_NAMES and name not in ("num_kv_blocks", "max_num_seqs", "block_size", "num_threads"):
             assert getattr(built, name) == (tuple(value) if isinstance(value, list) else value), name
-    assert built.num_threads == config.worker_threads() == (3 - section["reserved_cores"]) // config.num_workers
+    assert built.num_threads == config.worker_threads() == (3 - config.reserved_cores()) // config.num_workers
     engine = Engine.from_model_dir(config.model_dir, built)
     assert engine.config == built
     # ... and the parts read them.

@@ -189,9 +189,12 @@ def test_the_fast_path_matches_the_modules_over_half_pools(tmp_path, dtype, arch
             hidden = computes.forward(ids, step.positions, kv, step.meta)
             results.append((hidden, computes.compute_logits(hidden), kv))
     (hidden, logits, kv), (want_hidden, want_logits, want_kv) = results[1], results[0]
-    torch.testing.assert_close(hidden, want_hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
-    # K/V computed in another order may round to the neighbouring half value, at most.
+    # K/V computed in another order may round to the neighbouring half value (checked below); a
+    # later layer reading such a value moves by a fraction of that half ulp, not a float32 one.
+    flipped = sum(int((k != want_k).sum() + (v != want_v).sum()) for (k, v), (want_k, want_v) in zip(kv, want_kv))
+    tol = 1e-5 if flipped == 0 else 1e-4
+    torch.testing.assert_close(hidden, want_hidden, atol=tol, rtol=tol)
+    torch.testing.assert_close(logits, want_logits, atol=tol, rtol=tol)
     for (k, v), (want_k, want_v) in zip(kv, want_kv):
         assert k.dtype == dtype
         eps = torch.finfo(dtype).eps
