@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from shared.engine_config import ConfigError, EngineConfig
 from shared.engine_config import check as _check
+from shared.config_values import convert, parse_literal
 
 __all__ = ["ClusterConfig", "ConfigError", "DispatchConfig", "EngineConfig", "GatewayConfig", "QueueConfig",
            "WorkerConfig", "add_config_flags", "build_section", "config_from_args", "load_config", "usable_cores"]
@@ -206,9 +206,8 @@ class WorkerConfig(EngineConfig):
     # Cores left to the gateway (and whatever else shares the host) when num_threads is 0: a
     # worker's OpenMP threads spin between parallel regions, and a gateway wake-up that
     # deschedules one stalls the whole region (docs/benchmarks.md). In a cluster, num_threads 0
-    # means the host's cores less reserved_cores, split evenly between workers. -1 (auto): one
-    # core on hosts with RESERVE_FROM_CORES or more, none on smaller ones, where a core is too
-    # large a share of the compute to leave to a gateway that uses a few percent of one.
+    # means the host's cores less reserved_cores, split evenly between workers. -1: auto
+    # (RESERVE_FROM_CORES).
     reserved_cores: int = -1
     # Where the host has the cores (reserved_cores + num_workers x threads), pin each worker to
     # its own cores and the gateway to the reserved ones (shared/cpu_affinity.py).
@@ -345,15 +344,8 @@ def load_config(path: Path | str | None = None, overrides: dict[str, Any] | None
 
 
 def config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    overrides = {k[4:]: _parse_literal(v) for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
+    overrides = {k[4:]: parse_literal(v) for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
     return load_config(args.config, overrides)
-
-
-def _parse_literal(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def build_section(cls, values: dict[str, Any]):
@@ -375,40 +367,8 @@ def _build(cls, data: dict[str, Any], prefix: str):
         if name in _SECTIONS and cls is ClusterConfig:
             values[name] = _build(_SECTIONS[name], value, f"{name}.")
         else:
-            values[name] = _convert(hints[name], value, prefix + name)
+            values[name] = convert(hints[name], value, prefix + name)
     try:
         return cls(**values)
     except ConfigError as e:  # a section that checks itself when built names keys without its prefix
         raise ConfigError(f"{prefix}{e}") from None
-
-
-def _convert(hint, value: Any, name: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} must be a list, got {value!r}")
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, name) for v in value)
-        if len(args) != len(value):
-            raise ConfigError(f"{name} must have {len(args)} items, got {value!r}")
-        return tuple(_convert(a, v, name) for a, v in zip(args, value))
-    if origin in (typing.Union, types.UnionType):
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name} must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{name} must be a string, got {value!r}")
-        return str(value)
-    return value
