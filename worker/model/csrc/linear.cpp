@@ -7,7 +7,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -26,6 +28,7 @@ constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 constexpr int64_t kPanel = 16;
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int64_t kPrefetchMaxRows = 64;
+constexpr int64_t kWidenFromRows = 3 * kPanelRows;  // bf16 panels are widened once above this many rows
 constexpr int64_t kCacheLine = 64;
 
 #ifdef HAVE_AVX2_FMA
@@ -101,15 +104,51 @@ inline void panel_rows(const float* x, int64_t in_features, const W* panel, floa
   }
 }
 
+// A bfloat16 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
+inline void widen_panel(const at::BFloat16* panel, int64_t in_features, float* buffer) {
+#ifdef HAVE_AVX2_FMA
+  for (int64_t k = 0; k < in_features; ++k) {
+    __m256 lo, hi;
+    load_panel_row(panel + k * kPanel, lo, hi);
+    _mm256_store_ps(buffer + k * kPanel, lo);
+    _mm256_store_ps(buffer + k * kPanel + 8, hi);
+  }
+#else
+  for (int64_t i = 0; i < in_features * kPanel; ++i) buffer[i] = static_cast<float>(panel[i]);
+#endif
+}
+
 template <typename W>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
                    int64_t out_features, int64_t num_panels) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
   const bool prefetch = rows <= kPrefetchMaxRows;
+  // A bfloat16 panel that several row tiles pass over is widened once into a float32 copy that
+  // stays in L2, rather than once per row tile in registers: the widening, not the FMAs, bounds
+  // a tile on AVX2. The float32 copy holds the same values, so the result is the same.
+  constexpr bool kWidenable = std::is_same_v<W, at::BFloat16>;
+  const bool widen = kWidenable && rows > kWidenFromRows;
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
+    std::vector<float> storage(widen ? in_features * kPanel + 8 : 0);
+    float* widened = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
     for (int64_t p = begin; p < end; ++p) {
       const W* panel = p_ptr + p * in_features * kPanel;
+      if constexpr (kWidenable) {
+        if (widen) {
+          widen_panel(panel, in_features, widened);
+          const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
+          const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
+          for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+            const int64_t tile_rows = base + (t < extra ? 1 : 0);
+            panel_rows<kPanelRows, false, float>(x_ptr + m0 * in_features, in_features, widened,
+                                                 out_ptr + m0 * out_features + n0, out_features, n_count,
+                                                 tile_rows, nullptr, t, tiles);
+            m0 += tile_rows;
+          }
+          continue;
+        }
+      }
       const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
       const W* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
       // Row tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
