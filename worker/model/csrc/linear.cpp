@@ -118,6 +118,25 @@ inline void widen_panel(const at::BFloat16* panel, int64_t in_features, float* b
 #endif
 }
 
+// Every row of x against one panel (output features n0.. of `out`, n_count of them), in row
+// tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
+// independent FMA chains to hide the FMA latency. `next` is prefetched where `prefetch`.
+template <typename W>
+inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_features, const W* panel, float* out_ptr,
+                            int64_t out_features, int64_t n_count, bool prefetch, const W* next) {
+  const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+    const int64_t tile_rows = base + (t < extra ? 1 : 0);
+    if (prefetch)
+      panel_rows<kPanelRows, true>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
+                                   out_features, n_count, tile_rows, next, t, tiles);
+    else
+      panel_rows<kPanelRows, false, W>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
+                                       out_features, n_count, tile_rows, nullptr, t, tiles);
+    m0 += tile_rows;
+  }
+}
+
 template <typename W>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
                    int64_t out_features, int64_t num_panels) {
@@ -134,37 +153,17 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
     float* widened = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
     for (int64_t p = begin; p < end; ++p) {
       const W* panel = p_ptr + p * in_features * kPanel;
+      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
       if constexpr (kWidenable) {
         if (widen) {
           widen_panel(panel, in_features, widened);
-          const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
-          const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
-          for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-            const int64_t tile_rows = base + (t < extra ? 1 : 0);
-            panel_rows<kPanelRows, false, float>(x_ptr + m0 * in_features, in_features, widened,
-                                                 out_ptr + m0 * out_features + n0, out_features, n_count,
-                                                 tile_rows, nullptr, t, tiles);
-            m0 += tile_rows;
-          }
+          panel_over_rows<float>(x_ptr, rows, in_features, widened, out_ptr + n0, out_features, n_count, false,
+                                 nullptr);
           continue;
         }
       }
-      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
       const W* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
-      // Row tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
-      // independent FMA chains to hide the FMA latency.
-      const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
-      for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-        const int64_t tile_rows = base + (t < extra ? 1 : 0);
-        if (prefetch)
-          panel_rows<kPanelRows, true>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features + n0,
-                                       out_features, n_count, tile_rows, next, t, tiles);
-        else
-          panel_rows<kPanelRows, false, W>(x_ptr + m0 * in_features, in_features, panel,
-                                           out_ptr + m0 * out_features + n0, out_features, n_count, tile_rows,
-                                           nullptr, t, tiles);
-        m0 += tile_rows;
-      }
+      panel_over_rows(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, n_count, prefetch, next);
     }
   });
 }
