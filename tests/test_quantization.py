@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.model import quantization
+from worker.model import cpu_kernels, quantization
+from worker.model.layers import pack_panels
 from worker.model.quantization import (QuantizationPlan, QuantizedLinear, choose_path, dequantize, pack_int4,
                                        quantize, quantize_int4, quantize_int8, unpack_int4)
 
@@ -77,9 +78,29 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
     layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
     if not layer.path_available("ours", torch.device("cpu")):
         pytest.skip("our CPU kernels are not built here")
-    for rows in (1, 2, 3, 4, 5, 32):
+    for rows in (1, 2, 3, 4, 5, 11, 12, 18, 19, 32):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t() + layer.bias, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 32), (4, 128)])
+@pytest.mark.parametrize("rows", [19, 40, 128])
+def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_size, rows):
+    """Above a few register tiles of rows, our quantized kernels widen each weight once into float32
+    panels and run the float32 panel kernel over them: the result is that kernel's on the
+    dequantized weight (bit for bit for INT8, whose dequantized value is one rounding; INT4's
+    scale and zero are one fused multiply-add in the kernel against two roundings in torch)."""
+    kernels = cpu_kernels.load()
+    layer = QuantizedLinear(quantize(torch.randn(98, 256), bits, group_size or 128), path="ours")
+    if kernels is None or not layer.path_available("ours", torch.device("cpu")):
+        pytest.skip("our CPU kernels are not built here")
+    x = torch.randn(rows, 256)
+    panels = torch.empty(rows, 98)
+    kernels.linear_packed(x, pack_panels(dequantize(layer.qw)), panels)
+    if bits == 8:
+        assert torch.equal(layer(x), panels)
+    else:
+        torch.testing.assert_close(layer(x), panels, rtol=1e-5, atol=1e-5)
 
 
 def test_dequant_path_reuses_one_buffer_for_every_layer_of_a_plan(weight):

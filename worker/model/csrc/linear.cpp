@@ -15,6 +15,10 @@
 namespace {
 constexpr int64_t kTileM = 3;  // rows of x per quantized register tile
 constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
+// Above these many rows a weight-only quantized call widens each weight once, into float32
+// panels, rather than once per register tile (quantized_through_panels).
+constexpr int64_t kInt8WidenFromRows = 18;
+constexpr int64_t kInt4WidenFromRows = 11;
 }  // namespace
 
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
@@ -104,6 +108,12 @@ inline void panel_rows(const float* x, int64_t in_features, const W* panel, floa
   }
 }
 
+// `count` floats of `storage` (resized to hold them), 32-byte aligned for the panels' aligned loads.
+inline float* aligned_floats(std::vector<float>& storage, int64_t count) {
+  storage.resize(count + 8);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
+}
+
 // A bfloat16 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
 inline void widen_panel(const at::BFloat16* panel, int64_t in_features, float* buffer) {
 #ifdef HAVE_AVX2_FMA
@@ -149,8 +159,8 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   constexpr bool kWidenable = std::is_same_v<W, at::BFloat16>;
   const bool widen = kWidenable && rows > kWidenFromRows;
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> storage(widen ? in_features * kPanel + 8 : 0);
-    float* widened = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
+    std::vector<float> storage;
+    float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
     for (int64_t p = begin; p < end; ++p) {
       const W* panel = p_ptr + p * in_features * kPanel;
       const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
@@ -263,6 +273,56 @@ inline void quantized_tile(const float* x_ptr, int64_t in_features, int64_t grou
   }
 }
 
+#ifdef HAVE_AVX2_FMA
+// r[i] = column i of the 8 x 8 block whose rows r held on entry.
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    s[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
+    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
+
+// A call of more than kInt8WidenFromRows / kInt4WidenFromRows rows: the register tiles above
+// would widen every weight once per 3 rows of x, and on AVX2 that widening, not the FMAs, bounds
+// them. Instead each run of kPanel weight rows is dequantized once into a float32 panel (the
+// packed-panel layout, L2-resident, one per thread) and the float32 panel tiles pass every row
+// of x over it. `dequantize(n, k, g)` gives the dequantized weights k..k+7 of row n (group g):
+// the values of the dequant path's float weight.
+template <typename Dequantize>
+void quantized_through_panels(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
+                              int64_t group_size, float* out_ptr, Dequantize dequantize) {
+  const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
+  at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
+    std::vector<float> storage;
+    float* panel = aligned_floats(storage, in_features * kPanel);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
+      for (int64_t half = 0; half < kPanel; half += kLanes)
+        for (int64_t k = 0; k < in_features; k += kLanes) {
+          const int64_t g = k / group_size;
+          __m256 r[kLanes];
+          for (int64_t j = 0; j < kLanes; ++j)
+            r[j] = half + j < n_count ? dequantize(n0 + half + j, k, g) : _mm256_setzero_ps();
+          transpose8x8(r);
+          for (int64_t i = 0; i < kLanes; ++i) _mm256_store_ps(panel + (k + i) * kPanel + half, r[i]);
+        }
+      panel_over_rows<float>(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, n_count, false, nullptr);
+    }
+  });
+}
+#endif
+
 template <typename LoadWeights, typename LoadVector, typename Finish>
 void quantized_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
                      int64_t group_size, float* out_ptr, LoadWeights load_weights, LoadVector load_vector,
@@ -307,6 +367,13 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
   check_quantized_args(x, scales, out, out_features);
   const int8_t* q = qweight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
+#ifdef HAVE_AVX2_FMA
+  if (x.size(0) > kInt8WidenFromRows)
+    return quantized_through_panels(x.data_ptr<float>(), x.size(0), in_features, out_features, in_features,
+                                    out.data_ptr<float>(), [&](int64_t n, int64_t k, int64_t) {
+                                      return _mm256_mul_ps(widen_int8(q + n * in_features + k), _mm256_set1_ps(s[n]));
+                                    });
+#endif
   quantized_tiles(
       x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
       [&](int64_t n, int64_t k, float* w) {
@@ -334,6 +401,18 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   check_quantized_args(x, scales, out, out_features);
   const int64_t rows = x.size(0), num_groups = in_features / group_size;
   const float* x_ptr = x.data_ptr<float>();
+  const uint8_t* q = qweight.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* z = zeros.data_ptr<float>();
+#ifdef HAVE_AVX2_FMA
+  if (rows > kInt4WidenFromRows)
+    return quantized_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                                    [&](int64_t n, int64_t k, int64_t g) {
+                                      return _mm256_fmadd_ps(widen_int4(q + n * (in_features / 2) + k / 2),
+                                                             _mm256_set1_ps(s[n * num_groups + g]),
+                                                             _mm256_set1_ps(z[n * num_groups + g]));
+                                    });
+#endif
   // sum(x_g) per row and group, for the zero-point term.
   std::vector<float> x_sums(rows * num_groups);
   for (int64_t m = 0; m < rows; ++m)
@@ -342,9 +421,6 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
       for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
       x_sums[m * num_groups + g] = sum;
     }
-  const uint8_t* q = qweight.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* z = zeros.data_ptr<float>();
   quantized_tiles(
       x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
       [&](int64_t n, int64_t k, float* w) {
