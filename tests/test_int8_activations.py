@@ -59,6 +59,15 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
         # And close to the weight-only product: the rounding of x is at most 1/254 of its block's range.
         exact = x.double() @ dequantize(qw).double().t()
         assert (out.double() - exact).norm() < 0.02 * exact.norm(), rows
+        # Whatever the tile a row lands in, its result is the one it gets alone, bit for bit.
+        alone = torch.empty(1, 37)
+        for i in range(rows):
+            if bits == 8:
+                kernels.linear_int8_weights_int8_activations(x[i:i + 1], panels, qw.scales, alone)
+            else:
+                kernels.linear_int4_weights_int8_activations(x[i:i + 1], panels, qw.scales, qw.zeros, qw.group_size,
+                                                             alone)
+            assert torch.equal(alone[0], out[i]), (rows, i)
 
 
 @pytest.mark.parametrize("bits, in_features, group_size", [(8, 96, 0), (4, 192, 96), (4, 96, 32), (4, 256, 128)])

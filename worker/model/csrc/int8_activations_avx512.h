@@ -117,12 +117,12 @@ inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels,
     for (int64_t j = 0; j < C; ++j) total[i * total_stride + j] = _mm512_reduce_add_ps(sum[i][j]);
 }
 
+// total: R rows of kCols.
 template <int64_t R, bool kInt8>
 inline void tile_avx512_columns(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
                                 int64_t num_groups, int64_t m0, int64_t tile, int64_t n_count, bool ahead,
-                                float total[kRows][kCols]) {
+                                float* t) {
   static_assert(kCols == 4, "one case per column count below");
-  float* t = &total[0][0];
   switch (n_count) {
     case 4: return tile_avx512<R, 4, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
     case 3: return tile_avx512<R, 3, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
@@ -156,7 +156,7 @@ void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panel
     for (; tile < end; ++tile) {
       const int64_t n0 = tile * kCols, n_count = std::min(kCols, out_features - n0);
       float total[kRows][kCols] = {};
-      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, 0, tile, n_count, false, total);
+      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, 0, tile, n_count, false, &total[0][0]);
       for (int64_t j = 0; j < n_count; ++j) out[n0 + j] = total[0][j] + finish_zero(0, n0 + j);
     }
   }
@@ -171,18 +171,22 @@ void int8_activation_tiles_avx512(const QuantizedActivations& q, const WeightPan
   const int64_t num_groups = in_features / group_size;
   if (rows == 1) return one_row_tiles_avx512<kInt8>(a, panels, weight_scales, out_features, num_groups, out_ptr,
                                                     finish_zero);
-  for_each_output_tile<kRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
-                                                                     int64_t m_count, int64_t, int64_t n_count,
-                                                                     float total[kRows][kCols]) {
+  // INT4 tiles take 2 rows of x, not 3: a group's scale is applied as the group closes, so each
+  // (row, weight row) holds two accumulators, and 3 x 4 of them with the weights spill registers.
+  constexpr int64_t kTileRows = kInt8 ? kRows : 2;
+  for_each_output_tile<kTileRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
+                                                                         int64_t m_count, int64_t, int64_t n_count,
+                                                                         float total[kTileRows][kCols]) {
     // Prefetched once, by the first row tile: later ones find the panel in cache.
     const bool ahead = m0 == 0 && column_tile + kPrefetchTiles < end;
-    static_assert(kRows == 3, "one case per row count below");
-    if (m_count == 3)
-      tile_avx512_columns<3, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, total);
+    static_assert(kTileRows <= 3, "one case per row count below");
+    float* t = &total[0][0];
+    if (m_count == 3 && kTileRows == 3)
+      tile_avx512_columns<kTileRows, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
     else if (m_count == 2)
-      tile_avx512_columns<2, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, total);
+      tile_avx512_columns<2, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
     else
-      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, total);
+      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
     for (int64_t i = 0; i < m_count; ++i)
       for (int64_t j = 0; j < n_count; ++j) total[i][j] += finish_zero(m0 + i, column_tile * kCols + j);
   });

@@ -279,7 +279,13 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
 #ifdef HAVE_AVX512_VNNI
   int8_activation_tiles_avx512<false>(a, weights, s, rows, in_features, out_features, group_size, out.data_ptr<float>(),
                                       [&](int64_t m, int64_t n) {
-                                        return dot(z + n * num_groups, x_sums.data() + m * num_groups, num_groups);
+                                        // A plain loop: a few groups per output, where a vector
+                                        // reduction's set-up would cost more than the products.
+                                        const float* zn = z + n * num_groups;
+                                        const float* xm = x_sums.data() + m * num_groups;
+                                        float term = 0.f;
+                                        for (int64_t g = 0; g < num_groups; ++g) term += zn[g] * xm[g];
+                                        return term;
                                       });
   return;
 #endif
