@@ -78,7 +78,7 @@ def bench_quantized_linear(repeats: int) -> None:
         float_layer = Linear(k, n, bias=False)
         float_layer.weight.data.copy_(weight)
         cells = []
-        for rows in (1, 4, 16, 128):
+        for rows in (1, 4, 16, 32, 128, 512):
             x = torch.randn(rows, k)
             out = torch.empty(rows, n)
             row = [timed_ms(lambda: float_layer(x, out=out), repeats)]
@@ -161,13 +161,14 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the CPU kernels could not be built here (no compiler or ninja?)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if args.quantized:
-        return bench_quantized_linear(args.repeats)
-    bench_linear(kernels, args.repeats)
-    bench_transposed_form(args.repeats)
-    bench_decode_attention(kernels, args.repeats)
-    bench_prefill_attention(kernels, args.repeats)
-    bench_quantized_linear(args.repeats)
+    with torch.inference_mode():  # as a worker runs: the float layers' `out=` refuses autograd
+        if args.quantized:
+            return bench_quantized_linear(args.repeats)
+        bench_linear(kernels, args.repeats)
+        bench_transposed_form(args.repeats)
+        bench_decode_attention(kernels, args.repeats)
+        bench_prefill_attention(kernels, args.repeats)
+        bench_quantized_linear(args.repeats)
 
 
 if __name__ == "__main__":
