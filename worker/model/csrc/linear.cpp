@@ -18,7 +18,7 @@ constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 // Above these many rows a weight-only quantized call widens each weight once, into float32
 // panels, rather than once per register tile (quantized_through_panels).
 constexpr int64_t kInt8WidenFromRows = 18;
-constexpr int64_t kInt4WidenFromRows = 11;
+constexpr int64_t kInt4WidenFromRows = 15;
 }  // namespace
 
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
@@ -208,6 +208,20 @@ void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
 // `load_weights(n, k, w)` widens 8 weights of row n from column k into w.
 // One kTileM x kTileN tile of the output. kFull: a whole tile, so every loop bound is a
 // compile-time constant and the accumulators stay in registers; else the ragged edge.
+// Where the nibble-split order (widen_int4_split) puts lane i of the vector for features k..
+// (k a multiple of 8).
+inline int64_t split_feature(int64_t k, int64_t i) { return (k & ~int64_t{15}) + 2 * i + (k % 16 ? 1 : 0); }
+
+// x [rows, K] with each run of 16 features in the nibble-split order: evens, then odds.
+inline std::vector<float> split_features(const float* x, int64_t rows, int64_t in_features) {
+  std::vector<float> split(rows * in_features);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < in_features; k += kLanes)
+      for (int64_t i = 0; i < kLanes; ++i)
+        split[m * in_features + k + i] = x[m * in_features + split_feature(k, i)];
+  return split;
+}
+
 #ifdef HAVE_AVX2_FMA
 // A tile of kRows (<= kTileM) x rows by kTileN weight rows with the accumulators in AVX2
 // registers: at most 12 accumulators, the widened weight and one input vector (14 of 16 ymm).
@@ -242,6 +256,17 @@ inline __m256 widen_int4(const uint8_t* bytes) {
   const __m256i shifted = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(doubled), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
   return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(0x0F)));
 }
+
+// The nibble-split order of INT4 weights: 8 bytes hold 16 features, and lane i of the low half
+// (k % 16 == 0) is feature 2i (the low nibble of byte i), lane i of the high half (k % 16 == 8)
+// feature 2i + 1. Widening so takes a zero-extending load and one mask or shift, where putting
+// the nibbles back in feature order (widen_int4) takes a shuffle and a variable shift as well;
+// x is put in the same order instead (split_features), once per call.
+inline __m256 widen_int4_split(const uint8_t* chunk, int64_t k) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk)));
+  return _mm256_cvtepi32_ps(k % 16 ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
+}
+
 #endif
 
 template <bool kFull, typename LoadWeights, typename Finish>
@@ -421,21 +446,36 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
       for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
       x_sums[m * num_groups + g] = sum;
     }
-  quantized_tiles(
-      x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-      [&](int64_t n, int64_t k, float* w) {
-        const uint8_t* bytes = q + n * (in_features / 2) + k / 2;
-        for (int64_t b = 0; b < kLanes / 2; ++b) {
-          w[2 * b] = static_cast<float>(bytes[b] & 0x0F);
-          w[2 * b + 1] = static_cast<float>(bytes[b] >> 4);
-        }
-      },
+  // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.
+  auto tiles = [&](auto split) {
+    constexpr bool kSplit = decltype(split)::value;
+    const std::vector<float> split_x = kSplit ? split_features(x_ptr, rows, in_features) : std::vector<float>();
+    quantized_tiles(
+        kSplit ? split_x.data() : x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+        [&](int64_t n, int64_t k, float* w) {
+          const uint8_t* row = q + n * (in_features / 2);
+          for (int64_t i = 0; i < kLanes; ++i) {
+            const int64_t f = kSplit ? split_feature(k, i) : k + i;
+            w[i] = static_cast<float>((row[f / 2] >> (4 * (f % 2))) & 0x0F);
+          }
+        },
 #ifdef HAVE_AVX2_FMA
-      [&](int64_t n, int64_t k) { return widen_int4(q + n * (in_features / 2) + k / 2); },
+        [&](int64_t n, int64_t k) {
+          const uint8_t* row = q + n * (in_features / 2);
+          if constexpr (kSplit)
+            return widen_int4_split(row + (k & ~int64_t{15}) / 2, k);
+          else
+            return widen_int4(row + k / 2);
+        },
 #else
-      nullptr,
+        nullptr,
 #endif
-      [&](int64_t m, int64_t n, int64_t g, float dot_q) {
-        return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
-      });
+        [&](int64_t m, int64_t n, int64_t g, float dot_q) {
+          return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
+        });
+  };
+#ifdef HAVE_AVX2_FMA
+  if (group_size % 16 == 0) return tiles(std::true_type{});
+#endif
+  tiles(std::false_type{});
 }
