@@ -1,7 +1,8 @@
 """The int8-activation kernels' narrower instruction-set paths. A host with AVX-512 VNNI builds
 those tiles natively; a CPU without AVX-512 runs the AVX2 tiles, and one without AVX2 the
 portable loop. Each is built here with the wider instructions turned off and held to the same
-float64 statement of the arithmetic as the native build (tests/test_int8_activations.py)."""
+float64 statement of the arithmetic as the native build (tests/test_int8_activations.py). The
+weight-only INT8 / INT4 kernels of the same builds are held to their dequantized product."""
 from __future__ import annotations
 
 import pytest
@@ -64,4 +65,18 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
             else:
                 kernels.linear_int4_weights_int8_activations(x, panels, qw.scales, qw.zeros, qw.group_size, out)
             want = _rounded(x).double() @ dequantize(qw).double().t()
+            torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    # The weight-only kernels of the same build: register tiles, INT4's nibble-split order (groups
+    # of whole runs of 16) and feature order (groups of 8), and the float32 panel route above them.
+    for bits, group_size in ((8, 0), (4, 128), (4, 32), (4, 8)):
+        g = torch.Generator().manual_seed(bits * 100 + group_size)
+        qw = quantize(torch.randn(37, 256, generator=g), bits, group_size=group_size or 128)
+        for rows in (1, 3, 7, 12, 16, 19, 40):
+            x = torch.randn(rows, 256, generator=g)
+            out = torch.empty(rows, 37)
+            if bits == 8:
+                kernels.linear_small_batch_int8(x, qw.qweight, qw.scales, out)
+            else:
+                kernels.linear_small_batch_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, out)
+            want = x.double() @ dequantize(qw).double().t()
             torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
