@@ -181,7 +181,7 @@ void int8_activation_tiles_avx512(const QuantizedActivations& q, const WeightPan
     const bool ahead = m0 == 0 && column_tile + kPrefetchTiles < end;
     static_assert(kTileRows <= 3, "one case per row count below");
     float* t = &total[0][0];
-    if (m_count == 3 && kTileRows == 3)
+    if (m_count == kTileRows)
       tile_avx512_columns<kTileRows, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
     else if (m_count == 2)
       tile_avx512_columns<2, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);

@@ -208,20 +208,6 @@ void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
 // `load_weights(n, k, w)` widens 8 weights of row n from column k into w.
 // One kTileM x kTileN tile of the output. kFull: a whole tile, so every loop bound is a
 // compile-time constant and the accumulators stay in registers; else the ragged edge.
-// Where the nibble-split order (widen_int4_split) puts lane i of the vector for features k..
-// (k a multiple of 8).
-inline int64_t split_feature(int64_t k, int64_t i) { return (k & ~int64_t{15}) + 2 * i + (k % 16 ? 1 : 0); }
-
-// x [rows, K] with each run of 16 features in the nibble-split order: evens, then odds.
-inline std::vector<float> split_features(const float* x, int64_t rows, int64_t in_features) {
-  std::vector<float> split(rows * in_features);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t k = 0; k < in_features; k += kLanes)
-      for (int64_t i = 0; i < kLanes; ++i)
-        split[m * in_features + k + i] = x[m * in_features + split_feature(k, i)];
-  return split;
-}
-
 #ifdef HAVE_AVX2_FMA
 // A tile of kRows (<= kTileM) x rows by kTileN weight rows with the accumulators in AVX2
 // registers: at most 12 accumulators, the widened weight and one input vector (14 of 16 ymm).
@@ -268,6 +254,20 @@ inline __m256 widen_int4_split(const uint8_t* chunk, int64_t k) {
 }
 
 #endif
+
+// Where the nibble-split order (widen_int4_split) puts lane i of the vector for features k..
+// (k a multiple of 8).
+inline int64_t split_feature(int64_t k, int64_t i) { return (k & ~int64_t{15}) + 2 * i + (k % 16 ? 1 : 0); }
+
+// x [rows, K] with each run of 16 features in the nibble-split order: evens, then odds.
+inline std::vector<float> split_features(const float* x, int64_t rows, int64_t in_features) {
+  std::vector<float> split(rows * in_features);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t k = 0; k < in_features; k += kLanes)
+      for (int64_t i = 0; i < kLanes; ++i)
+        split[m * in_features + k + i] = x[m * in_features + split_feature(k, i)];
+  return split;
+}
 
 template <bool kFull, typename LoadWeights, typename Finish>
 inline void quantized_tile(const float* x_ptr, int64_t in_features, int64_t group_size, int64_t m0, int64_t m_count,
@@ -429,11 +429,12 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const float* z = zeros.data_ptr<float>();
+  auto row_of = [&](int64_t n) { return q + n * (in_features / 2); };
 #ifdef HAVE_AVX2_FMA
   if (rows > kInt4WidenFromRows)
     return quantized_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
                                     [&](int64_t n, int64_t k, int64_t g) {
-                                      return _mm256_fmadd_ps(widen_int4(q + n * (in_features / 2) + k / 2),
+                                      return _mm256_fmadd_ps(widen_int4(row_of(n) + k / 2),
                                                              _mm256_set1_ps(s[n * num_groups + g]),
                                                              _mm256_set1_ps(z[n * num_groups + g]));
                                     });
@@ -453,7 +454,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     quantized_tiles(
         kSplit ? split_x.data() : x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, float* w) {
-          const uint8_t* row = q + n * (in_features / 2);
+          const uint8_t* row = row_of(n);
           for (int64_t i = 0; i < kLanes; ++i) {
             const int64_t f = kSplit ? split_feature(k, i) : k + i;
             w[i] = static_cast<float>((row[f / 2] >> (4 * (f % 2))) & 0x0F);
@@ -461,11 +462,10 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
         },
 #ifdef HAVE_AVX2_FMA
         [&](int64_t n, int64_t k) {
-          const uint8_t* row = q + n * (in_features / 2);
           if constexpr (kSplit)
-            return widen_int4_split(row + (k & ~int64_t{15}) / 2, k);
+            return widen_int4_split(row_of(n) + (k & ~int64_t{15}) / 2, k);
           else
-            return widen_int4(row + k / 2);
+            return widen_int4(row_of(n) + k / 2);
         },
 #else
         nullptr,
