@@ -10,6 +10,7 @@ the cluster when it works out how much of the machine other programs took.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -29,10 +30,48 @@ READY_TIMEOUT_S = 180.0  # a first start may compile the CPU kernels (about a mi
 STOP_GRACE_S = 10.0
 
 
+_HANDED_OUT: set[int] = set()
+_PORT_FLOOR = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that is free now and that no other call in this process has returned.
+
+    Taken below the kernel's ephemeral range where there is room: a port handed out by
+    `bind(0)` comes from that range, so an outgoing connection opened before the server
+    binds may take it as its source port ("Address already in use"). Ports below the range
+    are never picked as source ports. Bound without SO_REUSEADDR, so a port still in
+    TIME_WAIT is skipped too.
+    """
+    low, _ = _ephemeral_range()
+    if low - _PORT_FLOOR >= 1000:
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        for _ in range(200):
+            port = rng.randrange(_PORT_FLOOR, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    while True:  # no room below the range (or every try was taken): the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _toml(value) -> str:
