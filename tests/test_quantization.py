@@ -71,22 +71,25 @@ def test_quantized_linear_matches_its_dequantized_matmul(weight, bits, path, row
 
 @pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 8), (4, 32), (4, 128)])
 def test_our_kernels_on_ragged_tiles(bits, group_size):
-    """Our kernels tile 3 input rows x 4 weight rows: every count of leftover rows and weight rows
-    (98 = 24 x 4 + 2) must still match the dequantized reference, on both sides of the row counts
-    where a call switches to float32 panels, and for INT4 in the nibble-split order (groups of
-    whole runs of 16) and out of it (groups of 8)."""
+    """Our kernels tile 3 input rows x 4 weight rows (x 8 on AVX-512): every count of leftover
+    rows and weight rows (98 = 24 x 4 + 2 = 12 x 8 + 2) must still match the dequantized
+    reference, on both sides of the row counts where a call switches to float32 panels (15 and 18
+    rows on AVX2, 32 on AVX-512), and for INT4 in the nibble-split orders (groups of whole runs of
+    16 or 32) and out of them (groups of 8). K = 264 is not a whole number of the AVX-512 tiles'
+    32-feature steps: those calls take the AVX2 tiles."""
     torch.manual_seed(1)
-    weight = torch.randn(98, 256)
-    layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
-    if not layer.path_available("ours", torch.device("cpu")):
-        pytest.skip("our CPU kernels are not built here")
-    for rows in (1, 2, 3, 4, 5, 11, 12, 15, 16, 18, 19, 32):
-        x = torch.randn(rows, 256)
-        torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t() + layer.bias, rtol=1e-4, atol=1e-4)
+    for k in (256, 264) if group_size in (0, 8) else (256,):
+        weight = torch.randn(98, k)
+        layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
+        if not layer.path_available("ours", torch.device("cpu")):
+            pytest.skip("our CPU kernels are not built here")
+        for rows in (1, 2, 3, 4, 5, 11, 12, 15, 16, 18, 19, 31, 32, 33, 40):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t() + layer.bias, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 8), (4, 32), (4, 128)])
-@pytest.mark.parametrize("rows", [19, 40, 128])
+@pytest.mark.parametrize("rows", [33, 40, 128])
 def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_size, rows):
     """Above a few register tiles of rows, our quantized kernels widen each weight once into float32
     panels and run the float32 panel kernel over them: the result is that kernel's on the

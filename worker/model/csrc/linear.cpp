@@ -3,6 +3,7 @@
 #include "kernels.h"
 #include "output_tiles.h"
 #include "vector_math.h"
+#include "weight_only_avx512.h"
 
 #include <ATen/Parallel.h>
 
@@ -16,9 +17,15 @@ namespace {
 constexpr int64_t kTileM = 3;  // rows of x per quantized register tile
 constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 // Above these many rows a weight-only quantized call widens each weight once, into float32
-// panels, rather than once per register tile (quantized_through_panels).
+// panels, rather than once per register tile (quantized_through_panels). The AVX-512 tiles
+// widen at half the instructions per weight, so they win up to more rows.
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+constexpr int64_t kInt8WidenFromRows = 32;
+constexpr int64_t kInt4WidenFromRows = 32;
+#else
 constexpr int64_t kInt8WidenFromRows = 18;
 constexpr int64_t kInt4WidenFromRows = 15;
+#endif
 }  // namespace
 
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
@@ -255,17 +262,19 @@ inline __m256 widen_int4_split(const uint8_t* chunk, int64_t k) {
 
 #endif
 
-// Where the nibble-split order (widen_int4_split) puts lane i of the vector for features k..
-// (k a multiple of 8).
-inline int64_t split_feature(int64_t k, int64_t i) { return (k & ~int64_t{15}) + 2 * i + (k % 16 ? 1 : 0); }
+// Where the nibble-split order over runs of kRun features (widen_int4_split: 16; the AVX-512
+// tiles: 32) puts lane i of the vector for features k.. (k a multiple of kRun / 2).
+template <int64_t kRun>
+inline int64_t split_feature(int64_t k, int64_t i) { return (k & ~(kRun - 1)) + 2 * i + (k % kRun ? 1 : 0); }
 
-// x [rows, K] with each run of 16 features in the nibble-split order: evens, then odds.
+// x [rows, K] with each run of kRun features in the nibble-split order: evens, then odds.
+template <int64_t kRun>
 inline std::vector<float> split_features(const float* x, int64_t rows, int64_t in_features) {
   std::vector<float> split(rows * in_features);
   for (int64_t m = 0; m < rows; ++m)
-    for (int64_t k = 0; k < in_features; k += kLanes)
-      for (int64_t i = 0; i < kLanes; ++i)
-        split[m * in_features + k + i] = x[m * in_features + split_feature(k, i)];
+    for (int64_t k = 0; k < in_features; k += kRun / 2)
+      for (int64_t i = 0; i < kRun / 2; ++i)
+        split[m * in_features + k + i] = x[m * in_features + split_feature<kRun>(k, i)];
   return split;
 }
 
@@ -375,6 +384,32 @@ void quantized_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int6
   });
 }
 
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+// The register tiles of weight_only_avx512.h over the whole output; `load(n, k, g)` widens 16
+// weights of row n from feature k (group g), `finish(n, dot)` gives output n from x . those weights.
+// `single_row(m0, row, total)`, where given, computes the tiles of one row of x instead.
+template <typename Load, typename Finish, typename SingleRow = std::nullptr_t>
+void quantized_tiles_avx512(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
+                            int64_t group_size, float* out_ptr, Load load, Finish finish,
+                            SingleRow single_row = nullptr) {
+  namespace wide = weight_only_avx512;
+  for_each_output_tile<wide::kRows, wide::kCols>(
+      rows, out_features, out_ptr,
+      [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
+        auto row = [&](int64_t j) { return std::min(n0 + j, out_features - 1); };
+        static_assert(wide::kRows == 3, "one case per row count below");
+        if (m_count == 3)
+          wide::tile<3>(x_ptr, in_features, group_size, m0, row, total, load, finish);
+        else if (m_count == 2)
+          wide::tile<2>(x_ptr, in_features, group_size, m0, row, total, load, finish);
+        else if constexpr (!std::is_same_v<SingleRow, std::nullptr_t>)
+          single_row(m0, row, total);
+        else
+          wide::tile<1>(x_ptr, in_features, group_size, m0, row, total, load, finish);
+      });
+}
+#endif
+
 void check_quantized_args(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& out,
                           int64_t out_features) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -398,6 +433,13 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
                                     out.data_ptr<float>(), [&](int64_t n, int64_t k, int64_t) {
                                       return _mm256_mul_ps(widen_int8(q + n * in_features + k), _mm256_set1_ps(s[n]));
                                     });
+#endif
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+  if (in_features % weight_only_avx512::kStep == 0)
+    return quantized_tiles_avx512(
+        x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
+        [&](int64_t n, int64_t k, int64_t) { return weight_only_avx512::widen_int8(q + n * in_features + k); },
+        [&](int64_t n, float dot_q) { return s[n] * dot_q; });
 #endif
   quantized_tiles(
       x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
@@ -447,16 +489,49 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
       for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
       x_sums[m * num_groups + g] = sum;
     }
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+  // Each weight dequantized in registers (the dequant path's value, q * scale + zero), so one
+  // reduction per output ends all of K rather than one per group; a single row scales each
+  // group's x_g . q_g instead (grouped_row_tile) and adds the zero-point term at the end.
+  constexpr int64_t kWideRun = weight_only_avx512::kSplitRun;
+  static_assert(kWideRun == weight_only_avx512::kStep, "a step is one run of split nibbles");
+  if (group_size % kWideRun == 0) {
+    const std::vector<float> split_x = split_features<kWideRun>(x_ptr, rows, in_features);
+    return quantized_tiles_avx512(
+        split_x.data(), rows, in_features, out_features, group_size, out.data_ptr<float>(),
+        [&](int64_t n, int64_t k, int64_t g) {
+          const int64_t at = n * num_groups + g;
+          return _mm512_fmadd_ps(weight_only_avx512::widen_int4_split(row_of(n) + (k & ~(kWideRun - 1)) / 2, k),
+                                 _mm512_set1_ps(s[at]), _mm512_set1_ps(z[at]));
+        },
+        [](int64_t, float dot) { return dot; },
+        [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
+          auto load_q = [&](int64_t n, int64_t k, int64_t) {
+            return weight_only_avx512::widen_int4_split(row_of(n) + (k & ~(kWideRun - 1)) / 2, k);
+          };
+          auto scale = [&](int64_t n, int64_t g) { return s[n * num_groups + g]; };
+          auto with_zeros = [&](int64_t m, int64_t n, float dot) {
+            for (int64_t g = 0; g < num_groups; ++g) dot += z[n * num_groups + g] * x_sums[m * num_groups + g];
+            return dot;
+          };
+          weight_only_avx512::grouped_row_tile(split_x.data(), in_features, group_size, m0, row, total, load_q, scale,
+                                               with_zeros);
+        });
+  }
+#endif
+  auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
+    return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
+  };
   // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.
   auto tiles = [&](auto split) {
     constexpr bool kSplit = decltype(split)::value;
-    const std::vector<float> split_x = kSplit ? split_features(x_ptr, rows, in_features) : std::vector<float>();
+    const std::vector<float> split_x = kSplit ? split_features<16>(x_ptr, rows, in_features) : std::vector<float>();
     quantized_tiles(
         kSplit ? split_x.data() : x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, float* w) {
           const uint8_t* row = row_of(n);
           for (int64_t i = 0; i < kLanes; ++i) {
-            const int64_t f = kSplit ? split_feature(k, i) : k + i;
+            const int64_t f = kSplit ? split_feature<16>(k, i) : k + i;
             w[i] = static_cast<float>((row[f / 2] >> (4 * (f % 2))) & 0x0F);
           }
         },
@@ -470,9 +545,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
 #else
         nullptr,
 #endif
-        [&](int64_t m, int64_t n, int64_t g, float dot_q) {
-          return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
-        });
+        finish);
   };
 #ifdef HAVE_AVX2_FMA
   if (group_size % 16 == 0) return tiles(std::true_type{});
