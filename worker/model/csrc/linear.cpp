@@ -438,7 +438,10 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
   if (in_features % weight_only_avx512::kStep == 0)
     return quantized_tiles_avx512(
         x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
-        [&](int64_t n, int64_t k, int64_t) { return weight_only_avx512::widen_int8(q + n * in_features + k); },
+        [&](int64_t n, int64_t k, int64_t) {
+          if (k % weight_only_avx512::kStep == 0) weight_only_avx512::prefetch_ahead(q + n * in_features + k);
+          return weight_only_avx512::widen_int8(q + n * in_features + k);
+        },
         [&](int64_t n, float dot_q) { return s[n] * dot_q; });
 #endif
   quantized_tiles(
@@ -500,6 +503,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     return quantized_tiles_avx512(
         split_x.data(), rows, in_features, out_features, group_size, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, int64_t g) {
+          if (k % kWideRun == 0) weight_only_avx512::prefetch_ahead(row_of(n) + k / 2);
           const int64_t at = n * num_groups + g;
           return _mm512_fmadd_ps(weight_only_avx512::widen_int4_split(row_of(n) + (k & ~(kWideRun - 1)) / 2, k),
                                  _mm512_set1_ps(s[at]), _mm512_set1_ps(z[at]));
@@ -507,6 +511,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
         [](int64_t, float dot) { return dot; },
         [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
           auto load_q = [&](int64_t n, int64_t k, int64_t) {
+            if (k % kWideRun == 0) weight_only_avx512::prefetch_ahead(row_of(n) + k / 2);
             return weight_only_avx512::widen_int4_split(row_of(n) + (k & ~(kWideRun - 1)) / 2, k);
           };
           auto scale = [&](int64_t n, int64_t g) { return s[n * num_groups + g]; };
