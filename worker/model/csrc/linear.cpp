@@ -495,7 +495,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   // Each weight dequantized in registers (the dequant path's value, q * scale + zero), so one
   // reduction per output ends all of K rather than one per group; a single row scales each
-  // group's x_g . q_g instead (grouped_row_tile) and adds the zero-point term at the end.
+  // group's x_g . q_g instead (int4_row_tile) and adds the zero-point term at the end.
   constexpr int64_t kWideRun = weight_only_avx512::kSplitRun;
   static_assert(kWideRun == weight_only_avx512::kStep, "a step is one run of split nibbles");
   if (group_size % kWideRun == 0) {
@@ -510,17 +510,21 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
         },
         [](int64_t, float dot) { return dot; },
         [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
-          auto load_q = [&](int64_t n, int64_t k, int64_t) {
-            if (k % kWideRun == 0) weight_only_avx512::prefetch_ahead(row_of(n) + k / 2);
-            return weight_only_avx512::widen_int4_split(row_of(n) + (k & ~(kWideRun - 1)) / 2, k);
-          };
-          auto scale = [&](int64_t n, int64_t g) { return s[n * num_groups + g]; };
-          auto with_zeros = [&](int64_t m, int64_t n, float dot) {
-            for (int64_t g = 0; g < num_groups; ++g) dot += z[n * num_groups + g] * x_sums[m * num_groups + g];
-            return dot;
-          };
-          weight_only_avx512::grouped_row_tile(split_x.data(), in_features, group_size, m0, row, total, load_q, scale,
-                                               with_zeros);
+          constexpr int64_t kCols = weight_only_avx512::kCols;
+          const uint8_t* row_weights[kCols];
+          const float* row_scales[kCols];
+          for (int64_t j = 0; j < kCols; ++j) {
+            row_weights[j] = row_of(row(j));
+            row_scales[j] = s + row(j) * num_groups;
+          }
+          float sums[kCols];
+          weight_only_avx512::int4_row_tile(split_x.data() + m0 * in_features, row_weights, row_scales, in_features,
+                                            group_size, sums);
+          for (int64_t j = 0; j < kCols; ++j) {
+            const float* row_zeros = z + row(j) * num_groups;
+            for (int64_t g = 0; g < num_groups; ++g) sums[j] += row_zeros[g] * x_sums[m0 * num_groups + g];
+            total[0][j] = sums[j];
+          }
         });
   }
 #endif

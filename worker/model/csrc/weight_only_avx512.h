@@ -94,31 +94,38 @@ inline void tile(const float* x, int64_t in_features, int64_t group_size, int64_
   }
 }
 
-// One row of x (m0) by kCols weight rows whose weights carry a scale per group: x_g . q_g
-// accumulates per group and one FMA per group and weight row scales it into the total, where
-// dequantizing each weight first (tile) takes an FMA per 16 weights, as many as the products,
-// which a single row does not share out. total[0][j] = finish(m0, row(j), sum over g of
-// scale(row(j), g) x_g . q_g), `load(n, k, g)` giving q widened.
-template <typename Row, typename Load, typename Scale, typename Finish>
-inline void grouped_row_tile(const float* x, int64_t in_features, int64_t group_size, int64_t m0, Row& row,
-                             float total[kRows][kCols], Load& load, Scale& scale, Finish& finish) {
-  int64_t rows_of[kCols];
-  for (int64_t j = 0; j < kCols; ++j) rows_of[j] = row(j);
-  const float* xr = x + m0 * in_features;
+// One row of x (in the nibble-split order) by kCols INT4 weight rows (`rows[j]`: row j's
+// packed bytes, `scales[j]`: its group scales): sums[j] = sum over groups g of scales[j][g] *
+// x_g . q_g. A single row shares no widened weight with another row, so each group's x_g . q_g
+// accumulates on the raw nibbles and one FMA per group and row scales it, where dequantizing
+// every weight first takes an FMA per 16 weights, as many as the products. The pointers are
+// plain arguments, and each row's low and high nibbles accumulate apart, so that the loop holds
+// every pointer in a register and no FMA waits on the one before; one prefetch per 64-byte line
+// of a row (a step reads 16 bytes) leaves the load ports to the weights.
+inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], const float* const scales[kCols],
+                          int64_t in_features, int64_t group_size, float sums[kCols]) {
+  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < in_features / group_size; ++g) {
-    __m512 acc[kCols];
-    for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep)
-      for (int64_t j = 0; j < kCols; ++j)
-        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + k + kLanes), load(rows_of[j], k + kLanes, g),
-                                 _mm512_fmadd_ps(_mm512_loadu_ps(xr + k), load(rows_of[j], k, g), acc[j]));
-    for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(scale(rows_of[j], g)), sum[j]);
+  for (int64_t g0 = 0; g0 < in_features; g0 += group_size) {
+    __m512 low[kCols], high[kCols];
+    for (int64_t j = 0; j < kCols; ++j) low[j] = high[j] = _mm512_setzero_ps();
+    for (int64_t k = g0; k < g0 + group_size; k += kStep) {
+      const __m512 x_low = _mm512_loadu_ps(x + k), x_high = _mm512_loadu_ps(x + k + kLanes);
+      const int64_t at = k / 2;
+      const bool line_start = at % 64 == 0;
+      for (int64_t j = 0; j < kCols; ++j) {
+        if (line_start) prefetch_ahead(rows[j] + at);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + at)));
+        low[j] = _mm512_fmadd_ps(x_low, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), low[j]);
+        high[j] = _mm512_fmadd_ps(x_high, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), high[j]);
+      }
+    }
+    const int64_t g = g0 / group_size;
+    for (int64_t j = 0; j < kCols; ++j)
+      sum[j] = _mm512_fmadd_ps(_mm512_add_ps(low[j], high[j]), _mm512_set1_ps(scales[j][g]), sum[j]);
   }
-  float sums[kCols];
   sum_each(sum, sums);
-  for (int64_t j = 0; j < kCols; ++j) total[0][j] = finish(m0, rows_of[j], sums[j]);
 }
 
 }  // namespace weight_only_avx512
