@@ -442,7 +442,15 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
           if (k % weight_only_avx512::kStep == 0) weight_only_avx512::prefetch_ahead(q + n * in_features + k);
           return weight_only_avx512::widen_int8(q + n * in_features + k);
         },
-        [&](int64_t n, float dot_q) { return s[n] * dot_q; });
+        [&](int64_t n, float dot_q) { return s[n] * dot_q; },
+        [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
+          constexpr int64_t kCols = weight_only_avx512::kCols;
+          const int8_t* row_weights[kCols];
+          for (int64_t j = 0; j < kCols; ++j) row_weights[j] = q + row(j) * in_features;
+          float sums[kCols];
+          weight_only_avx512::int8_row_tile(x.data_ptr<float>() + m0 * in_features, row_weights, in_features, sums);
+          for (int64_t j = 0; j < kCols; ++j) total[0][j] = s[row(j)] * sums[j];
+        });
 #endif
   quantized_tiles(
       x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),

@@ -128,5 +128,23 @@ inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], cons
   sum_each(sum, sums);
 }
 
+// One row of x by kCols INT8 weight rows (`rows[j]`: row j's weights): sums[j] = x . q_j, laid
+// out as int4_row_tile for the same reasons.
+inline void int8_row_tile(const float* x, const int8_t* const rows[kCols], int64_t in_features, float sums[kCols]) {
+  __m512 low[kCols], high[kCols];
+  for (int64_t j = 0; j < kCols; ++j) low[j] = high[j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in_features; k += kStep) {
+    const __m512 x_low = _mm512_loadu_ps(x + k), x_high = _mm512_loadu_ps(x + k + kLanes);
+    const bool line_start = k % 64 == 0;
+    for (int64_t j = 0; j < kCols; ++j) {
+      if (line_start) prefetch_ahead(rows[j] + k);
+      low[j] = _mm512_fmadd_ps(x_low, widen_int8(rows[j] + k), low[j]);
+      high[j] = _mm512_fmadd_ps(x_high, widen_int8(rows[j] + k + kLanes), high[j]);
+    }
+  }
+  for (int64_t j = 0; j < kCols; ++j) low[j] = _mm512_add_ps(low[j], high[j]);
+  sum_each(low, sums);
+}
+
 }  // namespace weight_only_avx512
 #endif
