@@ -8,8 +8,9 @@ same checkpoint): the single-stream decode rate (ours:
 P prompt + G new tokens; theirs: `llama-batched-bench`), each format's runs alternating ours and
 theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds.
 Also: the memory-bandwidth bound of each single-stream rate (the weight bytes a step reads over
-the measured copy bandwidth) and our fixed per-step cost (the step of a hidden-64, 8-layer model
-with almost no weights). llama.cpp comes from `shared/tools/build-llama-cpp`; checkpoints and
+the measured copy bandwidth), the compute bound of the batched run (its FLOPs over the host's
+measured float32 FMA peak, bench/fma_peak.py: what float arithmetic, ours or llama.cpp's, cannot
+beat) and our fixed per-step cost (the step of a hidden-64, 8-layer model with almost no weights). llama.cpp comes from `shared/tools/build-llama-cpp`; checkpoints and
 GGUFs are made once under `.cache/`. Not part of `make test`.
 """
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from bench import llama_cpp_tools
 from bench.checkpoints import REPO_ROOT, ensure_checkpoint
-from bench.hardware_bounds import measure_copy_gbps
+from bench.fma_peak import measure_fma_gflops
+from bench.hardware_bounds import ModelShape, measure_copy_gbps, workload_flops
 from bench.json_child import run_json_child
 from bench.llama_server import find_llama_cpp
 from bench.results_file import write_results
@@ -71,7 +73,17 @@ def _median(runs: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(rounds: dict[str, dict[str, list[dict]]], copy_gbps: float) -> list[dict]:
+def batched_bound_tok_s(model_dir: Path, batched, fma_gflops: float) -> float:
+    """Generated tokens/s of the batched run if every FLOP it must do ran at the FMA peak."""
+    from transformers import AutoConfig
+    sequences, prompt_len, new_tokens = batched
+    flops = workload_flops(ModelShape.from_config(AutoConfig.from_pretrained(model_dir)),
+                           [(prompt_len, new_tokens)] * sequences)["total"]
+    return sequences * new_tokens / (flops / (fma_gflops * 1e9))
+
+
+def summarize(rounds: dict[str, dict[str, list[dict]]], copy_gbps: float,
+              batched_bound: float | None = None) -> list[dict]:
     rows = []
     for name, _, kind in FORMATS:
         ours, theirs = rounds[name]["ours"], rounds[name]["theirs"]
@@ -85,6 +97,8 @@ def summarize(rounds: dict[str, dict[str, list[dict]]], copy_gbps: float) -> lis
             bound = copy_gbps * 1e9 / weight_bytes
             row[f"{side}_weight_mib"] = weight_bytes / 2**20
             row[f"{side}_of_bound"] = row[f"{side}_decode_tok_s"] / bound if row[f"{side}_decode_tok_s"] else None
+            row[f"{side}_of_compute_bound"] = (row[f"{side}_batched_tok_s"] / batched_bound
+                                               if batched_bound and row[f"{side}_batched_tok_s"] else None)
         row["route"] = ours[0]["route"]
         rows.append(row)
     return rows
@@ -94,11 +108,19 @@ def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(rows: list[dict], overhead: dict, copy_gbps: float, model: str, settings: dict) -> str:
+def _share(value) -> str:
+    return "" if value is None else f" ({value:.0%})"
+
+
+def report(rows: list[dict], overhead: dict, copy_gbps: float, model: str, settings: dict,
+           fma_gflops: float | None = None, batched_bound: float | None = None) -> str:
     sequences, prompt_len, new_tokens = settings["batched"]
+    compute = (f" Float32 FMA peak {fma_gflops:.0f} GFLOP/s: batched at most {batched_bound:.0f} tok/s in float "
+               "arithmetic (the percentages after the batched rates)." if fma_gflops and batched_bound else "")
     lines = [f"## {model}: ours against llama.cpp, 2 threads", "",
              f"Single stream: tg{settings['decode_tokens']}. Batched: {sequences} sequences x {prompt_len} prompt "
-             f"+ {new_tokens} new tokens, generated tokens over the whole run. Copy bandwidth {copy_gbps:.1f} GB/s.",
+             f"+ {new_tokens} new tokens, generated tokens over the whole run. Copy bandwidth {copy_gbps:.1f} GB/s."
+             + compute,
              "", "| format | ours tok/s | llama.cpp tok/s | ratio | ours of bound (weights MiB) | llama.cpp of bound "
              "(GGUF MiB) | batched ours | batched llama.cpp | ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -106,7 +128,8 @@ def report(rows: list[dict], overhead: dict, copy_gbps: float, model: str, setti
             f"| {r['format']} / {r['llama_cpp']} | {_fmt(r['ours_decode_tok_s'])} | {_fmt(r['theirs_decode_tok_s'])} "
             f"| {_fmt(r['ratio_decode_tok_s'], '.2f')}x | {_fmt(r['ours_of_bound'], '.0%')} "
             f"({r['ours_weight_mib']:.0f}) | {_fmt(r['theirs_of_bound'], '.0%')} ({r['theirs_weight_mib']:.0f}) "
-            f"| {_fmt(r['ours_batched_tok_s'])} | {_fmt(r['theirs_batched_tok_s'])} "
+            f"| {_fmt(r['ours_batched_tok_s'])}{_share(r.get('ours_of_compute_bound'))} "
+            f"| {_fmt(r['theirs_batched_tok_s'])}{_share(r.get('theirs_of_compute_bound'))} "
             f"| {_fmt(r['ratio_batched_tok_s'], '.2f')}x |")
     lines += ["", f"Fixed per-step cost (hidden 64, 8 layers, batch 1): {_fmt(overhead['step_ms'], '.3f')} ms "
                   f"({overhead['decode_tok_s']:.0f} tok/s; route: {overhead['route']})."]
@@ -150,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     overhead = run_ours(ensure_checkpoint("overhead-probe"), {}, 64, None, args.threads, args.repeats)
     copy_gbps = statistics.median([copy_before, measure_copy_gbps()])
-    rows = summarize(rounds, copy_gbps)
-    print(report(rows, overhead, copy_gbps, args.model, dict(settings, batched=batched or settings["batched"])))
+    fma_gflops = measure_fma_gflops(args.threads)
+    bound = batched_bound_tok_s(model_dir, batched, fma_gflops) if batched else None
+    rows = summarize(rounds, copy_gbps, bound)
+    print(report(rows, overhead, copy_gbps, args.model, dict(settings, batched=batched or settings["batched"]),
+                 fma_gflops, bound))
     path = write_results({"model": args.model, "settings": settings, "threads": args.threads,
-                          "copy_gbps": copy_gbps, "rows": rows, "overhead": overhead, "rounds": rounds,
+                          "copy_gbps": copy_gbps, "fma_gflops": fma_gflops, "batched_bound_tok_s": bound,
+                          "rows": rows, "overhead": overhead, "rounds": rounds,
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
                          args.json, DEFAULT_RESULTS.with_name(f"vs_llama_cpp_{args.model}.json"), args.quick)
     print(f"\nresults: {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}", file=sys.stderr)

@@ -65,12 +65,35 @@ def test_the_summary_takes_medians_and_ratios():
 
     rounds = {name: {"ours": runs([100.0, 120.0, 110.0], 300.0, 40e6), "theirs": runs([200.0, 220.0, 210.0], 150.0, 50e6)}
               for name, _, _ in vs_llama_cpp.FORMATS}
-    rows = vs_llama_cpp.summarize(rounds, copy_gbps=20.0)
+    rows = vs_llama_cpp.summarize(rounds, copy_gbps=20.0, batched_bound=600.0)
     assert [r["format"] for r in rows] == [name for name, _, _ in vs_llama_cpp.FORMATS]
     row = rows[0]
     assert row["ours_decode_tok_s"] == 110.0 and row["theirs_decode_tok_s"] == 210.0
     assert row["ratio_decode_tok_s"] == pytest.approx(110 / 210) and row["ratio_batched_tok_s"] == 2.0
     assert row["ours_of_bound"] == pytest.approx(110 / (20e9 / 40e6))
+    assert row["ours_of_compute_bound"] == 0.5 and row["theirs_of_compute_bound"] == 0.25
     text = vs_llama_cpp.report(rows, {"step_ms": 0.3, "decode_tok_s": 3333.0, "route": "r"}, 20.0, "bench-small",
-                               vs_llama_cpp.SETTINGS["bench-small"])
+                               vs_llama_cpp.SETTINGS["bench-small"], fma_gflops=400.0, batched_bound=600.0)
     assert "| float32 / f32 | 110.0 | 210.0 | 0.52x |" in text and "0.300 ms" in text
+    assert "| 300.0 (50%) | 150.0 (25%) | 2.00x |" in text and "at most 600 tok/s" in text
+
+
+def test_the_batched_compute_bound_is_the_runs_flops_at_the_fma_peak(tmp_path):
+    folder = make_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                             num_attention_heads=4, num_key_value_heads=2)
+    bound = vs_llama_cpp.batched_bound_tok_s(folder, (4, 30, 10), fma_gflops=100.0)
+    # Per layer 4 x 128 x 128 (q, o and k, v at half the heads: 128 x 64 each) + 3 x 128 x 256 weights.
+    layer = 128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 256
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    processed = 30 + 10 - 1
+    flops = 4 * (2 * 2 * layer * processed + 4 * 128 * 2 * processed * (processed + 1) // 2 + 2 * 128 * vocab * 10)
+    assert bound == pytest.approx(4 * 10 / (flops / 100e9))
+
+
+@pytest.mark.slow
+def test_the_fma_peak_is_measured_on_every_thread():
+    from bench.fma_peak import measure_fma_gflops
+    one, two = measure_fma_gflops(1, iterations=2_000_000, repeats=2), measure_fma_gflops(2, iterations=2_000_000,
+                                                                                            repeats=2)
+    # At least one 8-lane FMA a nanosecond on one core; two threads never measure less than most of one.
+    assert one > 16 and two > 0.5 * one

@@ -1,0 +1,61 @@
+"""The host's float32 FMA peak, measured: every thread runs independent fused multiply-adds on
+the widest vectors the compiler targets here (-march=native), so no latency, memory or
+scheduling limits them. It is the ceiling any float32 matmul reaches on this host, ours or
+llama.cpp's, and what bench.vs_llama_cpp turns into the batched run's compute bound (the
+workload's FLOPs over this rate). Compiled once per process with torch's extension builder.
+"""
+from __future__ import annotations
+
+import tempfile
+from functools import lru_cache
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <chrono>
+
+// 64 bytes of floats: one AVX-512 register, two AVX2 ones. kChains of them cover the FMA
+// latency times the FMA ports of any current x86 or Arm core.
+typedef float vec __attribute__((vector_size(64)));
+constexpr int kChains = 16;
+constexpr int kLanes = sizeof(vec) / sizeof(float);
+
+// GFLOP/s of `threads` threads, each doing `iterations` x kChains vector FMAs.
+double fma_gflops(int64_t threads, int64_t iterations) {
+  double sink = 0.0;
+  const auto started = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    vec acc[kChains], b, c;
+    for (int l = 0; l < kLanes; ++l) b[l] = 0.999f, c[l] = 1e-3f;
+    for (int i = 0; i < kChains; ++i)
+      for (int l = 0; l < kLanes; ++l) acc[i][l] = static_cast<float>(i + omp_get_thread_num());
+    for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 16
+      for (int i = 0; i < kChains; ++i) acc[i] = acc[i] * b + c;  // unrolled: the chains live in registers
+    }
+    for (int i = 0; i < kChains; ++i)
+      for (int l = 0; l < kLanes; ++l) sink += acc[i][l];
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  TORCH_CHECK(sink == sink, "unreachable: keeps the loop");
+  return 2.0 * kLanes * kChains * iterations * threads / seconds / 1e9;
+}
+"""
+
+
+@lru_cache(maxsize=1)
+def _module():
+    from torch.utils.cpp_extension import load_inline
+    return load_inline(name="bench_fma_peak", cpp_sources=SOURCE, functions=["fma_gflops"],
+                       extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], build_directory=tempfile.mkdtemp(prefix="fma_peak_"),
+                       verbose=False)
+
+
+def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 5) -> float:
+    """The best of `repeats` runs (a peak: a run a neighbour slowed says nothing about the host)."""
+    module = _module()
+    module.fma_gflops(threads, iterations // 20)  # wake the threads and the clocks
+    return max(module.fma_gflops(threads, iterations) for _ in range(repeats))
