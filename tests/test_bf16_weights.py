@@ -32,7 +32,8 @@ def _bf16_checkpoint(path, arch: str = "llama", **overrides):
 def test_bf16_panels_compute_what_float32_panels_of_the_same_values_do():
     """The bf16 kernel widens exactly and accumulates in the same order: bit for bit the float32
     kernel's result on the widened weight, at every row tile size and a ragged last panel, whether
-    the panel is widened in registers per row tile or once into a float32 copy (above 18 rows)."""
+    the panel is widened in registers per row tile or, with AVX2 above 18 rows, once into a float32
+    copy."""
     kernels = cpu_kernels.load()
     g = torch.Generator().manual_seed(3)
     for rows in (1, 2, 5, 6, 7, 13, 18, 19, 40, 100):
