@@ -2,6 +2,7 @@
 // path, and the weight-only INT8 / INT4 small-batch linears that widen their weights in registers.
 #include "kernels.h"
 #include "output_tiles.h"
+#include "packed_panels.h"
 #include "vector_math.h"
 #include "weight_only_avx512.h"
 
@@ -20,7 +21,7 @@ constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 // panels, rather than once per register tile (quantized_through_panels). The AVX-512 tiles
 // widen at half the instructions per weight, so they win up to more rows; INT4's widening
 // costs more than INT8's, and the AVX-512 panels' 12-row tiles make the panel route cheaper, so
-// INT4 crosses over at fewer rows (measured: panels 1.08x faster at 16 rows, 1.6x at 32).
+// INT4 crosses over at fewer rows (docs/benchmarks.md has the measured crossovers).
 #ifdef HAVE_AVX512_WEIGHT_ONLY
 constexpr int64_t kInt8WidenFromRows = 32;
 constexpr int64_t kInt4WidenFromRows = 12;
@@ -29,209 +30,6 @@ constexpr int64_t kInt8WidenFromRows = 18;
 constexpr int64_t kInt4WidenFromRows = 15;
 #endif
 }  // namespace
-
-// Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
-// packed [ceil(N / kPanel), K, kPanel] (zero padded), so that for each k the panel's kPanel
-// weights are one contiguous row (64 bytes in float32, 32 in bfloat16). A register tile of up
-// to kPanelRows rows of x times one panel keeps 2 x kPanelRows AVX2 accumulators over the whole
-// of K: each step loads two weight vectors (bf16 widened to float32 in registers, so the
-// arithmetic is float32 either way), broadcasts one x value per row and issues two FMAs per
-// row. The panel stays in L1/L2 while every row tile of x passes over it, so the weight is read
-// from memory once per call whatever the rows. Threads split the panels.
-// With AVX-512 a panel row is one 512-bit vector and a tile takes up to 12 rows of x: cores
-// with two full-width FMA units (Zen 5, Intel's server cores) do twice the float32 arithmetic a
-// cycle that 256-bit FMAs do, and need 8 or more independent chains to keep both busy. Each
-// output lane sums the same products in the same order either way, so the results are the same.
-constexpr int64_t kPanel = 16;
-#ifdef __AVX512F__
-#define HAVE_AVX512_PANELS 1
-constexpr int kPanelRows = 12;  // 12 accumulators + the weight vector + a broadcast, of 32 registers
-#else
-constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
-#endif
-constexpr int64_t kPrefetchMaxRows = 64;
-// bf16 panels are widened once into float32 above this many rows: on AVX2 widening in registers,
-// per 6-row tile, bounds the tile; a 12-row AVX-512 tile widens 16 weights in 2 instructions for
-// 12 FMAs, and measured no slower than the widened copy at any row count.
-#ifdef HAVE_AVX512_PANELS
-constexpr int64_t kWidenFromRows = INT64_MAX;
-#else
-constexpr int64_t kWidenFromRows = 18;
-#endif
-constexpr int64_t kCacheLine = 64;
-
-#ifdef HAVE_AVX2_FMA
-// One panel row (kPanel weights at row k) as two float32 vectors.
-inline void load_panel_row(const float* row, __m256& lo, __m256& hi) {
-  lo = _mm256_load_ps(row);
-  hi = _mm256_load_ps(row + 8);
-}
-
-inline void load_panel_row(const at::BFloat16* row, __m256& lo, __m256& hi) {
-  const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
-  lo = widen_bf16(_mm256_castsi256_si128(bits));
-  hi = widen_bf16(_mm256_extracti128_si256(bits, 1));
-}
-#endif
-
-#ifdef HAVE_AVX512_PANELS
-// One panel row as one float32 vector (bf16: its bits are a float32's upper half).
-inline __m512 load_panel_row(const float* row) { return _mm512_loadu_ps(row); }
-
-inline __m512 load_panel_row(const at::BFloat16* row) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-#endif
-
-// With kPrefetch, `next` is the panel this thread takes next. Its cache lines are prefetched
-// (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile, one line per
-// kLinesPerRow rows, so the next panel streams in from memory evenly over all of this panel's
-// compute rather than after it (or in a burst that fills the core's miss buffers and stalls
-// the FMAs).
-template <int MR, bool kPrefetch, typename W>
-inline void panel_tile(const float* x, int64_t in_features, const W* panel, float* out,
-                       int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
-  constexpr int64_t kRowsPerLine = kCacheLine / (kPanel * static_cast<int64_t>(sizeof(W)));
-#ifdef HAVE_AVX512_PANELS
-  __m512 acc[MR];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
-  for (int64_t k = 0; k < in_features; ++k) {
-    if (kPrefetch && k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      prefetch_k += num_tiles * kRowsPerLine;
-    }
-    const __m512 w = load_panel_row(panel + k * kPanel);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * in_features + k]), w, acc[i]);
-  }
-  alignas(64) float row[kPanel];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) {
-    _mm512_store_ps(row, acc[i]);
-    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
-  }
-#elif defined(HAVE_AVX2_FMA)
-  // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
-  // accumulator arrays on the stack and stores them back on every step).
-  __m256 lo[MR], hi[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
-  int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
-  for (int64_t k = 0; k < in_features; ++k) {
-    if (kPrefetch && k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      prefetch_k += num_tiles * kRowsPerLine;
-    }
-    __m256 w_lo, w_hi;
-    load_panel_row(panel + k * kPanel, w_lo, w_hi);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * in_features + k);
-      lo[i] = _mm256_fmadd_ps(a, w_lo, lo[i]);
-      hi[i] = _mm256_fmadd_ps(a, w_hi, hi[i]);
-    }
-  }
-  alignas(32) float row[kPanel];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    _mm256_store_ps(row, lo[i]);
-    _mm256_store_ps(row + 8, hi[i]);
-    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
-  }
-#else
-  for (int i = 0; i < MR; ++i) {
-    float row[kPanel] = {};
-    for (int64_t k = 0; k < in_features; ++k)
-      for (int64_t j = 0; j < kPanel; ++j)
-        row[j] += x[i * in_features + k] * static_cast<float>(panel[k * kPanel + j]);
-    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
-  }
-#endif
-}
-
-template <int MR, bool kPrefetch, typename W>
-inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
-                       int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
-                       int64_t num_tiles) {
-  if constexpr (MR > 0) {
-    if (rows == MR)
-      return panel_tile<MR, kPrefetch>(x, in_features, panel, out, out_features, n_count, next, tile, num_tiles);
-    panel_rows<MR - 1, kPrefetch>(x, in_features, panel, out, out_features, n_count, rows, next, tile, num_tiles);
-  }
-}
-
-// `count` floats of `storage` (resized to hold them), 32-byte aligned for the panels' aligned loads.
-inline float* aligned_floats(std::vector<float>& storage, int64_t count) {
-  storage.resize(count + 8);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
-}
-
-// A bfloat16 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
-inline void widen_panel(const at::BFloat16* panel, int64_t in_features, float* buffer) {
-#ifdef HAVE_AVX2_FMA
-  for (int64_t k = 0; k < in_features; ++k) {
-    __m256 lo, hi;
-    load_panel_row(panel + k * kPanel, lo, hi);
-    _mm256_store_ps(buffer + k * kPanel, lo);
-    _mm256_store_ps(buffer + k * kPanel + 8, hi);
-  }
-#else
-  for (int64_t i = 0; i < in_features * kPanel; ++i) buffer[i] = static_cast<float>(panel[i]);
-#endif
-}
-
-// Every row of x against one panel (output features n0.. of `out`, n_count of them), in row
-// tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
-// independent FMA chains to hide the FMA latency. `next` is prefetched where `prefetch`.
-template <typename W>
-inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_features, const W* panel, float* out_ptr,
-                            int64_t out_features, int64_t n_count, bool prefetch, const W* next) {
-  const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
-  for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-    const int64_t tile_rows = base + (t < extra ? 1 : 0);
-    if (prefetch)
-      panel_rows<kPanelRows, true>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
-                                   out_features, n_count, tile_rows, next, t, tiles);
-    else
-      panel_rows<kPanelRows, false, W>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
-                                       out_features, n_count, tile_rows, nullptr, t, tiles);
-    m0 += tile_rows;
-  }
-}
-
-template <typename W>
-void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
-                   int64_t out_features, int64_t num_panels) {
-  // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
-  // panel is reused by many row tiles and the compute-bound loop does better without it.
-  const bool prefetch = rows <= kPrefetchMaxRows;
-  // A bfloat16 panel that several row tiles pass over is widened once into a float32 copy that
-  // stays in L2, rather than once per row tile in registers: the widening, not the FMAs, bounds
-  // a tile on AVX2. The float32 copy holds the same values, so the result is the same.
-  constexpr bool kWidenable = std::is_same_v<W, at::BFloat16>;
-  const bool widen = kWidenable && rows > kWidenFromRows;
-  at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> storage;
-    float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
-    for (int64_t p = begin; p < end; ++p) {
-      const W* panel = p_ptr + p * in_features * kPanel;
-      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
-      if constexpr (kWidenable) {
-        if (widen) {
-          widen_panel(panel, in_features, widened);
-          panel_over_rows<float>(x_ptr, rows, in_features, widened, out_ptr + n0, out_features, n_count, false,
-                                 nullptr);
-          continue;
-        }
-      }
-      const W* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
-      panel_over_rows(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, n_count, prefetch, next);
-    }
-  });
-}
 
 // x [M, K] float32, packed [P, K, kPanel] float32 or bfloat16 (pack_panels in
 // worker/model/layers.py) -> out [M, N] float32.
