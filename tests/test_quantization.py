@@ -74,8 +74,8 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
     """Our kernels tile 3 input rows x 4 weight rows (x 8 on AVX-512): every count of leftover
     rows and weight rows (98 = 24 x 4 + 2 = 12 x 8 + 2) must still match the dequantized
     reference, on both sides of the row counts where a call switches to float32 panels (15 and 18
-    rows on AVX2, 12 for INT4 and 32 for INT8 on AVX-512), and for INT4 in the nibble-split orders (groups of whole runs of
-    16 or 32) and out of them (groups of 8). K = 264 is not a whole number of the AVX-512 tiles'
+    rows on AVX2, 12 for INT4 and 16 for INT8 on AVX-512), and for INT4 in the nibble-split orders
+    (groups of whole runs of 16 or 32) and out of them (groups of 8). K = 264 is not a whole number of the AVX-512 tiles'
     32-feature steps: those calls take the AVX2 tiles."""
     torch.manual_seed(1)
     for k in (256, 264) if group_size in (0, 8) else (256,):

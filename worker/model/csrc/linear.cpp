@@ -23,7 +23,7 @@ constexpr int64_t kTileN = 4;  // rows of W per quantized register tile
 // costs more than INT8's, and the AVX-512 panels' 12-row tiles make the panel route cheaper, so
 // INT4 crosses over at fewer rows (docs/benchmarks.md has the measured crossovers).
 #ifdef HAVE_AVX512_WEIGHT_ONLY
-constexpr int64_t kInt8WidenFromRows = 32;
+constexpr int64_t kInt8WidenFromRows = 16;
 constexpr int64_t kInt4WidenFromRows = 12;
 #else
 constexpr int64_t kInt8WidenFromRows = 18;
@@ -185,9 +185,11 @@ void quantized_through_panels(const float* x_ptr, int64_t rows, int64_t in_featu
   const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
-    float* panel = aligned_floats(storage, in_features * kPanel);
-    for (int64_t p = begin; p < end; ++p) {
+    float* panels = aligned_floats(storage, kPanelPair * in_features * kPanel);
+    // Panel p widened into `panels` + slot * in_features * kPanel.
+    auto widen = [&](int64_t p, int64_t slot) {
       const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
+      float* panel = panels + slot * in_features * kPanel;
       for (int64_t half = 0; half < kPanel; half += kLanes)
         for (int64_t k = 0; k < in_features; k += kLanes) {
           const int64_t g = k / group_size;
@@ -197,7 +199,19 @@ void quantized_through_panels(const float* x_ptr, int64_t rows, int64_t in_featu
           transpose8x8(r);
           for (int64_t i = 0; i < kLanes; ++i) _mm256_store_ps(panel + (k + i) * kPanel + half, r[i]);
         }
-      panel_over_rows<float>(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, n_count, false, nullptr);
+    };
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kPanel;
+      widen(p, 0);
+      if (kPanelPair == 2 && p + 1 < end) {  // a pair of panels, as linear_panels takes them
+        widen(p + 1, 1);
+        panel_over_rows<kPanelPair, float>(x_ptr, rows, in_features, panels, out_ptr + n0, out_features,
+                                           std::min(kPanel, out_features - n0 - kPanel), false, nullptr);
+        ++p;
+        continue;
+      }
+      panel_over_rows<1, float>(x_ptr, rows, in_features, panels, out_ptr + n0, out_features,
+                                std::min(kPanel, out_features - n0), false, nullptr);
     }
   });
 }

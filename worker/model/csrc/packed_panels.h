@@ -23,16 +23,21 @@
 // arithmetic is float32 either way), broadcasts one x value per row and issues two FMAs per
 // row. The panel stays in L1/L2 while every row tile of x passes over it, so the weight is read
 // from memory once per call whatever the rows. Threads split the panels.
-// With AVX-512 a panel row is one 512-bit vector and a tile takes up to 12 rows of x: cores
-// with two full-width FMA units (Zen 5, Intel's server cores) do twice the float32 arithmetic a
-// cycle that 256-bit FMAs do, and need 8 or more independent chains to keep both busy. Each
-// output lane sums the same products in the same order either way, so the results are the same.
+// With AVX-512 a panel row is one 512-bit vector and a tile takes up to 12 rows of x against two
+// adjacent panels: cores with two full-width FMA units (Zen 5, Intel's server cores) do twice
+// the float32 arithmetic a cycle that 256-bit FMAs do, need 8 or more independent chains to keep
+// both busy, and with two panels each broadcast of x feeds two FMAs (the loads, not the FMAs,
+// bounded one-panel tiles). Each output lane sums the same products in the same order either
+// way, so the results are the same.
 constexpr int64_t kPanel = 16;
 #ifdef __AVX512F__
 #define HAVE_AVX512_PANELS 1
-constexpr int kPanelRows = 12;  // 12 accumulators + the weight vector + a broadcast, of 32 registers
+constexpr int kPanelRows = 12;  // 2 x 12 accumulators + 2 weight vectors + a broadcast, of 32 registers
+constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feeds both
+constexpr int64_t kFloatPairsFromRows = 8;
 #else
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+constexpr int kPanelPair = 1;
 #endif
 constexpr int64_t kPrefetchMaxRows = 64;
 // bf16 panels are widened once into float32 above this many rows: on AVX2 widening in registers,
@@ -137,14 +142,59 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
 #endif
 }
 
+#ifdef HAVE_AVX512_PANELS
+// Two adjacent panels (32 output features, the second n_count wide) against MR rows of x: each
+// broadcast of x feeds both panels' FMAs, half the loads per FMA of the one-panel tile, with the
+// same sums per output. `next`: the next pair, prefetched as panel_tile prefetches one panel.
 template <int MR, bool kPrefetch, typename W>
+inline void panel_pair_tile(const float* x, int64_t in_features, const W* panel, float* out,
+                            int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
+  constexpr int64_t kRowsPerLine = kCacheLine / (kPanel * static_cast<int64_t>(sizeof(W)));
+  const W* second = panel + in_features * kPanel;
+  __m512 first_acc[MR], second_acc[MR];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) first_acc[i] = second_acc[i] = _mm512_setzero_ps();
+  int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
+  for (int64_t k = 0; k < in_features; ++k) {
+    if (kPrefetch && k == prefetch_k) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (in_features + k) * kPanel), _MM_HINT_T1);
+      prefetch_k += num_tiles * kRowsPerLine;
+    }
+    const __m512 w0 = load_panel_row(panel + k * kPanel), w1 = load_panel_row(second + k * kPanel);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(x[i * in_features + k]);
+      first_acc[i] = _mm512_fmadd_ps(a, w0, first_acc[i]);
+      second_acc[i] = _mm512_fmadd_ps(a, w1, second_acc[i]);
+    }
+  }
+  alignas(64) float row[kPanel];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+    _mm512_storeu_ps(out + i * out_features, first_acc[i]);
+    _mm512_store_ps(row, second_acc[i]);
+    std::memcpy(out + i * out_features + kPanel, row, n_count * sizeof(float));
+  }
+}
+#endif
+
+// kPanels: 1, or 2 (adjacent panels, the second n_count wide; AVX-512 only).
+template <int MR, bool kPrefetch, int kPanels, typename W>
 inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
                        int64_t num_tiles) {
   if constexpr (MR > 0) {
-    if (rows == MR)
+    if (rows == MR) {
+#ifdef HAVE_AVX512_PANELS
+      if constexpr (kPanels == 2)
+        return panel_pair_tile<MR, kPrefetch>(x, in_features, panel, out, out_features, n_count, next, tile,
+                                              num_tiles);
+#endif
       return panel_tile<MR, kPrefetch>(x, in_features, panel, out, out_features, n_count, next, tile, num_tiles);
-    panel_rows<MR - 1, kPrefetch>(x, in_features, panel, out, out_features, n_count, rows, next, tile, num_tiles);
+    }
+    panel_rows<MR - 1, kPrefetch, kPanels>(x, in_features, panel, out, out_features, n_count, rows, next, tile,
+                                           num_tiles);
   }
 }
 
@@ -171,18 +221,19 @@ inline void widen_panel(const at::BFloat16* panel, int64_t in_features, float* b
 // Every row of x against one panel (output features n0.. of `out`, n_count of them), in row
 // tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
 // independent FMA chains to hide the FMA latency. `next` is prefetched where `prefetch`.
-template <typename W>
+template <int kPanels = 1, typename W>
 inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_features, const W* panel, float* out_ptr,
                             int64_t out_features, int64_t n_count, bool prefetch, const W* next) {
   const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t tile_rows = base + (t < extra ? 1 : 0);
     if (prefetch)
-      panel_rows<kPanelRows, true>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
-                                   out_features, n_count, tile_rows, next, t, tiles);
+      panel_rows<kPanelRows, true, kPanels>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
+                                            out_features, n_count, tile_rows, next, t, tiles);
     else
-      panel_rows<kPanelRows, false, W>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
-                                       out_features, n_count, tile_rows, nullptr, t, tiles);
+      panel_rows<kPanelRows, false, kPanels, W>(x_ptr + m0 * in_features, in_features, panel,
+                                                out_ptr + m0 * out_features, out_features, n_count, tile_rows, nullptr,
+                                                t, tiles);
     m0 += tile_rows;
   }
 }
@@ -198,6 +249,8 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   // a tile on AVX2. The float32 copy holds the same values, so the result is the same.
   constexpr bool kWidenable = std::is_same_v<W, at::BFloat16>;
   const bool widen = kWidenable && rows > kWidenFromRows;
+  // Float32 panels of a call of few rows stream from memory, where one panel at a time does better.
+  [[maybe_unused]] const bool pairs = !std::is_same_v<W, float> || rows >= kFloatPairsFromRows;
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
     float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
@@ -207,11 +260,21 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
       if constexpr (kWidenable) {
         if (widen) {
           widen_panel(panel, in_features, widened);
-          panel_over_rows<float>(x_ptr, rows, in_features, widened, out_ptr + n0, out_features, n_count, false,
+          panel_over_rows<1, float>(x_ptr, rows, in_features, widened, out_ptr + n0, out_features, n_count, false,
                                  nullptr);
           continue;
         }
       }
+#ifdef HAVE_AVX512_PANELS
+      if (pairs && p + 1 < end) {  // a pair: panels p and p + 1
+        const int64_t second_count = std::min(kPanel, out_features - n0 - kPanel);
+        // The next pair's panels; a prefetch past this thread's range or the tensor never faults.
+        const W* next = p + 2 < end ? panel + 2 * in_features * kPanel : nullptr;
+        panel_over_rows<2>(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, second_count, prefetch, next);
+        ++p;
+        continue;
+      }
+#endif
       const W* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
       panel_over_rows(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, n_count, prefetch, next);
     }
