@@ -34,7 +34,7 @@ constexpr int64_t kPanel = 16;
 #define HAVE_AVX512_PANELS 1
 constexpr int kPanelRows = 12;  // 2 x 12 accumulators + 2 weight vectors + a broadcast, of 32 registers
 constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feeds both
-constexpr int64_t kFloatPairsFromRows = 8;
+constexpr int64_t kFloatPairsFromRows = 12;
 #else
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int kPanelPair = 1;
@@ -79,31 +79,46 @@ inline __m512 load_panel_row(const at::BFloat16* row) {
 // kLinesPerRow rows, so the next panel streams in from memory evenly over all of this panel's
 // compute rather than after it (or in a burst that fills the core's miss buffers and stalls
 // the FMAs).
-template <int MR, bool kPrefetch, typename W>
+template <int MR, bool kPrefetch, typename W, int kPanels = 1>
 inline void panel_tile(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
   constexpr int64_t kRowsPerLine = kCacheLine / (kPanel * static_cast<int64_t>(sizeof(W)));
 #ifdef HAVE_AVX512_PANELS
-  __m512 acc[MR];
+  // kPanels adjacent panels (the last n_count wide; `next` the next run of as many), each
+  // broadcast of x feeding one FMA per panel.
+  __m512 acc[kPanels][MR];
+#pragma GCC unroll 2
+  for (int q = 0; q < kPanels; ++q)
 #pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) acc[q][i] = _mm512_setzero_ps();
   int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+#pragma GCC unroll 2
+      for (int q = 0; q < kPanels; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (q * in_features + k) * kPanel), _MM_HINT_T1);
       prefetch_k += num_tiles * kRowsPerLine;
     }
-    const __m512 w = load_panel_row(panel + k * kPanel);
+    __m512 w[kPanels];
+#pragma GCC unroll 2
+    for (int q = 0; q < kPanels; ++q) w[q] = load_panel_row(panel + (q * in_features + k) * kPanel);
 #pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * in_features + k]), w, acc[i]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(x[i * in_features + k]);
+#pragma GCC unroll 2
+      for (int q = 0; q < kPanels; ++q) acc[q][i] = _mm512_fmadd_ps(a, w[q], acc[q][i]);
+    }
   }
   alignas(64) float row[kPanel];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    _mm512_store_ps(row, acc[i]);
-    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
+#pragma GCC unroll 2
+    for (int q = 0; q + 1 < kPanels; ++q) _mm512_storeu_ps(out + i * out_features + q * kPanel, acc[q][i]);
+    _mm512_store_ps(row, acc[kPanels - 1][i]);
+    std::memcpy(out + i * out_features + (kPanels - 1) * kPanel, row, n_count * sizeof(float));
   }
 #elif defined(HAVE_AVX2_FMA)
+  static_assert(kPanels == 1, "one panel a tile on AVX2");
   // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
   // accumulator arrays on the stack and stores them back on every step).
   __m256 lo[MR], hi[MR];
@@ -142,57 +157,15 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
 #endif
 }
 
-#ifdef HAVE_AVX512_PANELS
-// Two adjacent panels (32 output features, the second n_count wide) against MR rows of x: each
-// broadcast of x feeds both panels' FMAs, half the loads per FMA of the one-panel tile, with the
-// same sums per output. `next`: the next pair, prefetched as panel_tile prefetches one panel.
-template <int MR, bool kPrefetch, typename W>
-inline void panel_pair_tile(const float* x, int64_t in_features, const W* panel, float* out,
-                            int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
-  constexpr int64_t kRowsPerLine = kCacheLine / (kPanel * static_cast<int64_t>(sizeof(W)));
-  const W* second = panel + in_features * kPanel;
-  __m512 first_acc[MR], second_acc[MR];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) first_acc[i] = second_acc[i] = _mm512_setzero_ps();
-  int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
-  for (int64_t k = 0; k < in_features; ++k) {
-    if (kPrefetch && k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + (in_features + k) * kPanel), _MM_HINT_T1);
-      prefetch_k += num_tiles * kRowsPerLine;
-    }
-    const __m512 w0 = load_panel_row(panel + k * kPanel), w1 = load_panel_row(second + k * kPanel);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_set1_ps(x[i * in_features + k]);
-      first_acc[i] = _mm512_fmadd_ps(a, w0, first_acc[i]);
-      second_acc[i] = _mm512_fmadd_ps(a, w1, second_acc[i]);
-    }
-  }
-  alignas(64) float row[kPanel];
-#pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) {
-    _mm512_storeu_ps(out + i * out_features, first_acc[i]);
-    _mm512_store_ps(row, second_acc[i]);
-    std::memcpy(out + i * out_features + kPanel, row, n_count * sizeof(float));
-  }
-}
-#endif
-
-// kPanels: 1, or 2 (adjacent panels, the second n_count wide; AVX-512 only).
+// kPanels: 1, or kPanelPair adjacent panels (the last n_count wide; AVX-512 only).
 template <int MR, bool kPrefetch, int kPanels, typename W>
 inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
                        int64_t num_tiles) {
   if constexpr (MR > 0) {
-    if (rows == MR) {
-#ifdef HAVE_AVX512_PANELS
-      if constexpr (kPanels == 2)
-        return panel_pair_tile<MR, kPrefetch>(x, in_features, panel, out, out_features, n_count, next, tile,
-                                              num_tiles);
-#endif
-      return panel_tile<MR, kPrefetch>(x, in_features, panel, out, out_features, n_count, next, tile, num_tiles);
-    }
+    if (rows == MR)
+      return panel_tile<MR, kPrefetch, W, kPanels>(x, in_features, panel, out, out_features, n_count, next, tile,
+                                                   num_tiles);
     panel_rows<MR - 1, kPrefetch, kPanels>(x, in_features, panel, out, out_features, n_count, rows, next, tile,
                                            num_tiles);
   }
