@@ -34,11 +34,11 @@ constexpr int64_t kPanel = 16;
 #define HAVE_AVX512_PANELS 1
 constexpr int kPanelRows = 12;  // 2 x 12 accumulators + 2 weight vectors + a broadcast, of 32 registers
 constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feeds both
-constexpr int64_t kFloatPairsFromRows = 12;
 #else
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int kPanelPair = 1;
 #endif
+constexpr int64_t kFloatPairsFromRows = 12;  // float32 calls of fewer rows take one panel a tile
 constexpr int64_t kPrefetchMaxRows = 64;
 // bf16 panels are widened once into float32 above this many rows: on AVX2 widening in registers,
 // per 6-row tile, bounds the tile; a 12-row AVX-512 tile widens 16 weights in 2 instructions for
