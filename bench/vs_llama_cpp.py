@@ -10,8 +10,9 @@ theirs, the order flipped every round, so a drifting machine hits both; medians 
 Also: the memory-bandwidth bound of each single-stream rate (the weight bytes a step reads over
 the measured copy bandwidth), the compute bound of the batched run (its FLOPs over the host's
 measured float32 FMA peak, bench/fma_peak.py: what float arithmetic, ours or llama.cpp's, cannot
-beat) and our fixed per-step cost (the step of a hidden-64, 8-layer model with almost no weights). llama.cpp comes from `shared/tools/build-llama-cpp`; checkpoints and
-GGUFs are made once under `.cache/`. Not part of `make test`.
+beat) and our fixed per-step cost (the step of a hidden-64, 8-layer model with almost no
+weights). llama.cpp comes from `shared/tools/build-llama-cpp`; checkpoints and GGUFs are made
+once under `.cache/`. Not part of `make test`.
 """
 from __future__ import annotations
 

@@ -186,32 +186,23 @@ void quantized_through_panels(const float* x_ptr, int64_t rows, int64_t in_featu
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
     float* panels = aligned_floats(storage, kPanelPair * in_features * kPanel);
-    // Panel p widened into `panels` + slot * in_features * kPanel.
-    auto widen = [&](int64_t p, int64_t slot) {
-      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
-      float* panel = panels + slot * in_features * kPanel;
-      for (int64_t half = 0; half < kPanel; half += kLanes)
-        for (int64_t k = 0; k < in_features; k += kLanes) {
-          const int64_t g = k / group_size;
-          __m256 r[kLanes];
-          for (int64_t j = 0; j < kLanes; ++j)
-            r[j] = half + j < n_count ? dequantize(n0 + half + j, k, g) : _mm256_setzero_ps();
-          transpose8x8(r);
-          for (int64_t i = 0; i < kLanes; ++i) _mm256_store_ps(panel + (k + i) * kPanel + half, r[i]);
-        }
-    };
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kPanel;
-      widen(p, 0);
-      if (kPanelPair == 2 && p + 1 < end) {  // a pair of panels, as linear_panels takes them
-        widen(p + 1, 1);
-        panel_over_rows<kPanelPair, float>(x_ptr, rows, in_features, panels, out_ptr + n0, out_features,
-                                           std::min(kPanel, out_features - n0 - kPanel), false, nullptr);
-        ++p;
-        continue;
+    for (int64_t p = begin; p < end;) {
+      const PanelRun run = panel_run(p, end, out_features, true);
+      for (int64_t slot = 0; slot < run.count; ++slot) {  // panel p + slot widened into its place
+        const int64_t n0 = (p + slot) * kPanel, n_count = std::min(kPanel, out_features - n0);
+        float* panel = panels + slot * in_features * kPanel;
+        for (int64_t half = 0; half < kPanel; half += kLanes)
+          for (int64_t k = 0; k < in_features; k += kLanes) {
+            const int64_t g = k / group_size;
+            __m256 r[kLanes];
+            for (int64_t j = 0; j < kLanes; ++j)
+              r[j] = half + j < n_count ? dequantize(n0 + half + j, k, g) : _mm256_setzero_ps();
+            transpose8x8(r);
+            for (int64_t i = 0; i < kLanes; ++i) _mm256_store_ps(panel + (k + i) * kPanel + half, r[i]);
+          }
       }
-      panel_over_rows<1, float>(x_ptr, rows, in_features, panels, out_ptr + n0, out_features,
-                                std::min(kPanel, out_features - n0), false, nullptr);
+      run_over_rows<float>(run, x_ptr, rows, in_features, panels, out_ptr + p * kPanel, out_features, false, nullptr);
+      p += run.count;
     }
   });
 }

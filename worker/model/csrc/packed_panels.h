@@ -211,6 +211,29 @@ inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_feature
   }
 }
 
+// The panels a tile takes from panel p on: a pair where pairs are wanted, built (kPanelPair)
+// and both in this thread's range [p, end), else one; `last_width` is the last one's output
+// features (a ragged last panel of the weight).
+struct PanelRun {
+  int64_t count, last_width;
+};
+
+inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, bool pairs) {
+  const int64_t count = pairs && kPanelPair == 2 && p + 1 < end ? 2 : 1;
+  return {count, std::min(kPanel, out_features - (p + count - 1) * kPanel)};
+}
+
+// panel_over_rows for the run's panels from `panel` (output features from out_ptr on).
+template <typename W>
+inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows, int64_t in_features, const W* panel,
+                          float* out_ptr, int64_t out_features, bool prefetch, const W* next) {
+  if (run.count == 2)
+    panel_over_rows<kPanelPair>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch,
+                                next);
+  else
+    panel_over_rows<1>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch, next);
+}
+
 template <typename W>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
                    int64_t out_features, int64_t num_panels) {
@@ -223,33 +246,26 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   constexpr bool kWidenable = std::is_same_v<W, at::BFloat16>;
   const bool widen = kWidenable && rows > kWidenFromRows;
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better.
-  [[maybe_unused]] const bool pairs = !std::is_same_v<W, float> || rows >= kFloatPairsFromRows;
+  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows);
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
     float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
-    for (int64_t p = begin; p < end; ++p) {
+    for (int64_t p = begin; p < end;) {
       const W* panel = p_ptr + p * in_features * kPanel;
-      const int64_t n0 = p * kPanel, n_count = std::min(kPanel, out_features - n0);
+      const PanelRun run = panel_run(p, end, out_features, pairs);
+      float* out = out_ptr + p * kPanel;
       if constexpr (kWidenable) {
         if (widen) {
           widen_panel(panel, in_features, widened);
-          panel_over_rows<1, float>(x_ptr, rows, in_features, widened, out_ptr + n0, out_features, n_count, false,
-                                 nullptr);
+          run_over_rows<float>(run, x_ptr, rows, in_features, widened, out, out_features, false, nullptr);
+          p += run.count;
           continue;
         }
       }
-#ifdef HAVE_AVX512_PANELS
-      if (pairs && p + 1 < end) {  // a pair: panels p and p + 1
-        const int64_t second_count = std::min(kPanel, out_features - n0 - kPanel);
-        // The next pair's panels; a prefetch past this thread's range or the tensor never faults.
-        const W* next = p + 2 < end ? panel + 2 * in_features * kPanel : nullptr;
-        panel_over_rows<2>(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, second_count, prefetch, next);
-        ++p;
-        continue;
-      }
-#endif
-      const W* next = p + 1 < end ? panel + in_features * kPanel : nullptr;
-      panel_over_rows(x_ptr, rows, in_features, panel, out_ptr + n0, out_features, n_count, prefetch, next);
+      // The next run's panels; a prefetch past this thread's range or the tensor never faults.
+      const W* next = p + run.count < end ? panel + run.count * in_features * kPanel : nullptr;
+      run_over_rows(run, x_ptr, rows, in_features, panel, out, out_features, prefetch, next);
+      p += run.count;
     }
   });
 }
