@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-partitioned test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway bench-llama-cpp bench-kv-cache experiments gpu-check lock protos clean
+.PHONY: run run-partitioned test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway bench-llama-cpp bench-kv-cache bench-gpu experiments gpu-check lock protos clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-llama-cpp: $(STAMP)
 # tok/s after a 1500-token prompt, one stream and eight (~2 min).
 bench-kv-cache: $(STAMP)
 	$(PY) -m bench.kv_cache_dtype
+
+# On a GPU host: one stream, a batch of 32 and the per-step overhead, ours (with and without decode
+# graphs) beside transformers on TinyLlama's shape in bfloat16 (~3 min, most of it making the checkpoint).
+bench-gpu: $(STAMP)
+	$(PY) -m bench.gpu_decode
 
 # The CUDA paths the CPU test suite cannot reach, on a GPU host (`--device cpu` dry-runs it here).
 gpu-check: $(STAMP)

@@ -34,7 +34,7 @@ def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def _generate_static(model, batch: list[Request]) -> list[list[int]]:
-    ids, mask = _left_pad([r.prompt_token_ids for r in batch])
+    ids, mask = (t.to(model.device) for t in _left_pad([r.prompt_token_ids for r in batch]))
     n = max(r.output_len for r in batch)
     # min_new_tokens == max_new_tokens: EOS is suppressed, so every row runs the full batch length.
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
@@ -135,8 +135,9 @@ def run_continuous_batching(model, requests: list[Request], warmup: list[Request
 
 @torch.inference_mode()
 def hf_decode_seconds(model, prompt: list[int], new_tokens: int) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     t0 = time.perf_counter()
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=PAD_ID)
+    out.tolist()  # waits for the device's queue: the tokens are in hand
     return time.perf_counter() - t0

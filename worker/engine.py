@@ -80,7 +80,7 @@ class Engine:
         self._aborted: list[Request] = []
         self._ids = itertools.count()
         self.num_steps = 0  # steps that ran a forward
-        self._bytes_per_block = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) // self.block_manager.num_blocks
+        self._bytes_per_block = sum(k[0].nbytes + v[0].nbytes for k, v in self.kv_caches)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None, **overrides) -> "Engine":

@@ -170,16 +170,31 @@ def _assemble(target: _Target, model: Transformer, load_seconds: float,
     sampler = Sampler(model.output_device, seed=config.seed)
     dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.compute_dtype)  # the KV pools' element type
     num_blocks = _num_kv_blocks(target, model, sampler, dtype)
-    kv_caches = allocate_kv_cache(model.config, num_blocks, config.block_size, dtype, model.layer_devices)
+    graphs = decode_graph_mode(target, model, fast_path)
+    # Decode graphs pad their batches with rows that write into one more block, which no request owns.
+    kv_caches = allocate_kv_cache(model.config, num_blocks + bool(graphs), config.block_size, dtype,
+                                  model.layer_devices)
     block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(SchedulerConfig.from_engine(config, target.max_model_len), block_manager)
     runner = ModelRunner(model, kv_caches, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                          target.max_model_len, sampler, ATTENTION[config.attention], fast_path=fast_path,
                          max_draft_tokens=config.speculative_ngram_max_k)
+    if graphs:
+        runner.use_decode_graphs(padding_block=num_blocks, capture=graphs == "capture")
     return EngineParts(config=config, model_dir=target.model_dir, model=model, device=target.device,
                        max_model_len=target.max_model_len, sampler=sampler, kv_caches=kv_caches,
                        block_manager=block_manager, scheduler=scheduler, runner=runner, placement_plan=target.plan,
                        load_seconds=load_seconds)
+
+
+def decode_graph_mode(target: _Target, model: Transformer, fast_path: CpuFastPath | None) -> str:
+    """"capture" where decode steps replay CUDA graphs (worker/decode_graphs.py): asked for, on
+    CUDA, the modules on one device with the batched attention; else "" (every step eager)."""
+    config = target.config
+    if (config.cuda_graphs and target.device.type == "cuda" and fast_path is None and model.placement is None
+            and config.attention == "fast"):
+        return "capture"
+    return ""
 
 
 def _num_kv_blocks(target: _Target, model: Transformer, sampler: Sampler, dtype: torch.dtype) -> int:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shared.sampling_params import SamplingParams, TopLogprobs
+from worker.decode_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.cpu_fast_path import CpuFastPath
@@ -161,6 +162,16 @@ class ModelRunner:
         # raise (MemoryError, torch.OutOfMemoryError) or sleep, as a real failure or hang would.
         self.fault_hook: Callable[[list[SequenceStep]], None] | None = None
         self.num_oom_recoveries = 0  # out-of-memory errors caught (and survived) in a step
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def use_decode_graphs(self, padding_block: int, capture: bool = True) -> None:
+        """Run decode-only steps from captured graphs (worker/decode_graphs.py), padding batches
+        with rows that write only to `padding_block`, a block of the pools no request is given."""
+        if self.fast_path is not None or self.model.placement is not None:
+            raise ValueError("decode graphs capture the modules on one device: not with a CPU fast path or placement")
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_num_seqs,
+                                          self.max_blocks_per_seq, self.attention_fn, self.logits, padding_block,
+                                          capture=capture)
 
     def execute_splitting(self, seqs: list[SequenceStep]) -> list[SampledToken | None | OutOfMemory]:
         """execute(), surviving out-of-memory errors: free what the device caches and run the
@@ -243,6 +254,13 @@ class ModelRunner:
     def _forward_and_sample(self, seqs: list[SequenceStep]) -> tuple[list[int], SamplerOutput | None]:
         """The step of `seqs` (in step order): the positions of the sequences that sample, and the
         sampler's output for their rows (None when none samples)."""
+        graphs = self.decode_graphs
+        if graphs is not None and all(len(s.new_token_ids) == 1 and s.needs_sample and not s.draft_token_ids
+                                      for s in seqs):
+            context_lens = [s.context_len for s in seqs]
+            if graphs.takes(len(seqs), max(context_lens)):
+                logits = graphs.run([s.new_token_ids[0] for s in seqs], context_lens, [s.block_table for s in seqs])
+                return list(range(len(seqs))), self.sampler(logits, sampling_batch(seqs))
         input_ids, positions, meta, logits_indices, sampled = self._prepare(seqs)
         # Read once: the fast path and the modules compute the same step, logits included.
         computes = self.fast_path if self.fast_path is not None else self.model
