@@ -63,6 +63,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_steps(engine) -> dict[str, list[float]]:
+    """Wall seconds of each engine step from now on, as "decode graph" steps (decode-only steps
+    the graphs ran) and "other" (prompt chunks, mixed and eager steps)."""
+    graphs = engine.runner.decode_graphs
+    times: dict[str, list[float]] = {"decode graph": [], "other": []}
+    step = engine.step
+
+    def timed():
+        before = graphs.num_steps if graphs is not None else 0
+        started = time.perf_counter()
+        deltas = step()
+        ran_graph = graphs is not None and graphs.num_steps > before
+        times["decode graph" if ran_graph else "other"].append(time.perf_counter() - started)
+        return deltas
+
+    engine.step = timed  # generate() calls self.step
+    return times
+
+
+def _profile(device: torch.device, run, rows: int = 14) -> str:
+    """torch.profiler's table of `run()`: the ops by their own device time (CPU time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
 def _tokens_per_s(device: torch.device, generate) -> float:
     """Tokens a second of `generate()`, which returns each sequence's new tokens."""
     _sync(device)
@@ -77,7 +107,7 @@ def _prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[in
 
 
 def measure_ours(model_dir: Path, device: torch.device, dtype: str, decode_tokens: int, batched, repeats: int,
-                 kv_blocks: int, graphs: bool = True) -> dict:
+                 kv_blocks: int, graphs: bool = True, profile: bool = False) -> dict:
     from worker.engine import Engine, SamplingParams
 
     engine = Engine.from_model_dir(model_dir, device=str(device), dtype=dtype, num_kv_blocks=kv_blocks,
@@ -93,8 +123,15 @@ def measure_ours(model_dir: Path, device: torch.device, dtype: str, decode_token
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
         engine.evict_prefix_cache()
+        steps = _time_steps(engine)
         record["batched_tok_s"] = _tokens_per_s(device, lambda: [o.token_ids for o in
                                                                  engine.generate(prompts, params, use_tqdm=False)])
+        record["batched_steps"] = {kind: dict(count=len(times), median_ms=1e3 * statistics.median(times),
+                                              total_s=sum(times)) for kind, times in steps.items() if times}
+        if profile:
+            engine.evict_prefix_cache()
+            record["profile"] = _profile(device, lambda: engine.generate(
+                prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False))
     del engine
     _release(device)
     return record
@@ -135,7 +172,8 @@ def report(results: dict) -> str:
     ours, eager, theirs, probe = results["ours"], results["ours_eager"], results["transformers"], \
         results["overhead_probe"]
     bound = results["decode_bound_tok_s"]
-    lines = [f"{results['device_name']}, {results['model']} in {results['dtype']}: copy {results['copy_gbps']:.0f} GB/s, "
+    lines = [f"{results['device_name']}, {results['model']} in {results['dtype']}: "
+             f"copy {results['copy_gbps']:.0f} GB/s, "
              f"{results['weight_bytes_per_token'] / 1e6:.0f} MB of weights a decode step, "
              f"single-stream bound {bound:.0f} tok/s",
              f"{'':34} {'ours':>9} {'ours eager':>11} {'transformers':>13} {'ours/tf':>8}",
@@ -147,6 +185,9 @@ def report(results: dict) -> str:
         lines.append(f"{f'{sequences} x ({prompt_len} + {new_tokens}) batched, tok/s':34} "
                      f"{ours['batched_tok_s']:9.1f} {'':>11} {theirs['batched_tok_s']:13.1f} "
                      f"{_ratio(ours['batched_tok_s'], theirs['batched_tok_s']):>8}")
+    for kind, step in ours.get("batched_steps", {}).items():
+        lines.append(f"  ours, batched: {step['count']} {kind} steps, median {step['median_ms']:.2f} ms, "
+                     f"{step['total_s']:.2f} s in all")
     lines.append(f"{'overhead-probe step, ms':34} {1e3 / probe['ours']['decode_tok_s']:9.3f} "
                  f"{1e3 / probe['ours_eager']['decode_tok_s']:11.3f} "
                  f"{1e3 / probe['transformers']['decode_tok_s']:13.3f} "
@@ -163,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched", type=int, nargs=3, default=[32, 332, 140], metavar=("SEQS", "PROMPT", "NEW"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-blocks", type=int, default=2048)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's table of a short batched run of ours")
     parser.add_argument("--out", type=Path, default=None, help="where the JSON goes (default bench/results/)")
     args = parser.parse_args(argv)
 
@@ -176,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                    device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    weight_bytes_per_token=weight_bytes, decode_bound_tok_s=copy_gbps * 1e9 / weight_bytes)
     # Alternating order would cost a second load of each; one order, theirs last, is what fits a lease.
-    results["ours"] = measure_ours(model_dir, batched=args.batched, kv_blocks=args.kv_blocks, **common)
+    results["ours"] = measure_ours(model_dir, batched=args.batched, kv_blocks=args.kv_blocks, profile=args.profile,
+                                   **common)
     results["ours_eager"] = measure_ours(model_dir, batched=None, kv_blocks=args.kv_blocks, graphs=False, **common)
     results["transformers"] = measure_transformers(model_dir, batched=args.batched, **common)
     results["overhead_probe"] = dict(ours=measure_ours(probe_dir, batched=None, kv_blocks=256, **common),
@@ -184,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              **common),
                                      transformers=measure_transformers(probe_dir, batched=None, **common))
     print(report(results), flush=True)
+    if "profile" in results["ours"]:
+        print(results["ours"].pop("profile"))
     print(f"results in {write_results(results, args.out, RESULTS / f'gpu_decode_{args.device}.json', quick=False)}")
     return 0
 

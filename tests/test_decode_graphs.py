@@ -31,6 +31,16 @@ def test_width_bucket_is_the_next_power_of_two_capped():
     assert width_bucket(70, 100) == 100
 
 
+def test_width_buckets_end_at_the_widest_table(llama_dir):
+    model = load_model(llama_dir, torch.device("cpu"))
+    for max_blocks, widths in ((8, [1, 2, 4, 8]), (6, [1, 2, 4, 6]), (1, [1])):
+        graphs = DecodeGraphs(model, [], BLOCK, max_num_seqs=2, max_blocks_per_seq=max_blocks,
+                              attention_fn=paged_attention, logits=torch.zeros(2, 8), padding_block=0,
+                              capture=False)
+        assert graphs.widths() == widths
+        assert graphs.capture_all() == 0  # nothing to capture without CUDA
+
+
 def _graphs_without_capture(monkeypatch):
     """Engines built after this run the modules (no CPU fast path) with graphs that do not capture."""
     monkeypatch.setattr(engine_builder, "choose_fast_path", lambda model, attention: (None, "the modules, for a test"))
@@ -134,4 +144,7 @@ def test_captured_graphs_replay_what_eager_steps_compute(llama_dir):
     for batch in (prompts[:1], prompts[:3], prompts):
         expected, got = _outputs(eager, batch), _outputs(graphed, batch)
         assert [g.token_ids for g in got] == [e.token_ids for e in expected]
-    assert graphed.runner.decode_graphs.num_replays > 0 and graphed.runner.decode_graphs.disabled is None
+    graphs = graphed.runner.decode_graphs
+    assert graphs.disabled is None and graphs.num_replays > 0
+    # Every bucket was captured at start-up: no step captured one.
+    assert graphs.num_captures == len(graphs.batch_sizes) * len(graphs.widths()) == len(graphs._graphs)

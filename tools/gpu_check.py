@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                                                            quantization=preset)
             paths = sorted({m.path for m in engine.model.modules() if isinstance(m, QuantizedLinear)})
             agreement = _agreement(_greedy(state["full"], prompts), _greedy(engine, prompts))
-            return agreement >= 0.5, f"paths {paths}, greedy agreement with float {agreement:.0%}"
+            graphs = engine.runner.decode_graphs
+            off = f" (off: {graphs.disabled})" if graphs is not None and graphs.disabled else ""
+            captured = f"{graphs.num_captures} graphs captured{off}" if graphs is not None else "no graphs"
+            return agreement >= 0.5, f"paths {paths}, {captured}, greedy agreement with float {agreement:.0%}"
         return run
 
     def speculative():
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         on_cuda = device.startswith("cuda")
         replays = graphs.num_replays if graphs is not None else 0
         ok = agreement >= 0.9 and (not on_cuda or (replays > 0 and graphs.disabled is None))
-        return ok, (f"{replays} replays, disabled: {graphs.disabled if graphs else 'no graphs'}; greedy agreement "
+        return ok, (f"{graphs.num_captures if graphs else 0} graphs captured, {replays} replays, off: "
+                    f"{graphs.disabled if graphs else 'no graphs'}; greedy agreement "
                     f"with eager steps {agreement:.0%}; one stream {rates['graphs']:.0f} tok/s with graphs, "
                     f"{rates['eager']:.0f} eager")
 

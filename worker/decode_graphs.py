@@ -65,6 +65,7 @@ class DecodeGraphs:
         self.disabled: str | None = None  # why graphs stopped being used, once a capture failed
         self.num_steps = 0  # decode steps run here, captured or not
         self.num_replays = 0
+        self.num_captures = 0
 
     def _vector(self, buffer: torch.Tensor, index: int, rows: int) -> torch.Tensor:
         return buffer[index * self._rows:index * self._rows + rows]
@@ -77,6 +78,24 @@ class DecodeGraphs:
         can run from a graph."""
         return (self.disabled is None and num_seqs <= self._rows
                 and max_context_len // self.block_size < self.max_blocks)
+
+    def widths(self) -> list[int]:
+        """Every width bucket: powers of two below max_blocks, then max_blocks."""
+        return sorted({width_bucket(1 << i, self.max_blocks) for i in range(self.max_blocks.bit_length() + 1)})
+
+    def capture_all(self) -> int:
+        """Capture every (batch, width) bucket now, rows all padding, so no step of a running
+        server pays for a capture; the number captured (0 without capture, or once one failed)."""
+        captured = 0
+        for rows in reversed(self.batch_sizes):  # the largest first: the pool grows once
+            for width in reversed(self.widths()):
+                if self.disabled is not None or self._pool is None:
+                    return captured
+                if (rows, width) not in self._graphs:
+                    self._fill([], [], [], rows, width)
+                    self._graphs[rows, width] = self._capture(rows, width)
+                    captured += self._graphs[rows, width] is not None
+        return captured
 
     def run(self, token_ids: Sequence[int], context_lens: Sequence[int],
             block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -147,7 +166,8 @@ class DecodeGraphs:
             # thread_local: the memory watchdog may query the device from its own thread meanwhile.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._forward(rows, width)
-            log.info("captured a decode graph of %d sequences, %d blocks wide", rows, width)
+            log.debug("captured a decode graph of %d sequences, %d blocks wide", rows, width)
+            self.num_captures += 1
             return graph
         except Exception as exc:  # an op that cannot be captured: every later step runs eagerly
             self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -181,6 +181,10 @@ def _assemble(target: _Target, model: Transformer, load_seconds: float,
                          max_draft_tokens=config.speculative_ngram_max_k)
     if graphs:
         runner.use_decode_graphs(padding_block=num_blocks, capture=graphs == "capture")
+        started = time.perf_counter()
+        captured = runner.capture_decode_graphs()
+        log.info("decode graphs: %d captured in %.1f s%s", captured, time.perf_counter() - started,
+                 f"; off ({runner.decode_graphs.disabled})" if runner.decode_graphs.disabled else "")
     return EngineParts(config=config, model_dir=target.model_dir, model=model, device=target.device,
                        max_model_len=target.max_model_len, sampler=sampler, kv_caches=kv_caches,
                        block_manager=block_manager, scheduler=scheduler, runner=runner, placement_plan=target.plan,

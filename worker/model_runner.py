@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -172,6 +173,13 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_num_seqs,
                                           self.max_blocks_per_seq, self.attention_fn, self.logits, padding_block,
                                           capture=capture)
+
+    def capture_decode_graphs(self) -> int:
+        """Capture every decode graph bucket now (at start-up), on the runner's stream; how many."""
+        if self.decode_graphs is None:
+            return 0
+        with self._inference_mode, torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            return self.decode_graphs.capture_all()
 
     def execute_splitting(self, seqs: list[SequenceStep]) -> list[SampledToken | None | OutOfMemory]:
         """execute(), surviving out-of-memory errors: free what the device caches and run the
