@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         dtype = next(engine.model.parameters()).dtype
         drift = (window_logprobs(engine.model, prompts[0] * 8).cpu() - reference_logprobs).abs().max().item()
         agreement = _agreement(reference, _greedy(engine, prompts))
+        cudnn = "on" if torch.backends.cuda.cudnn_sdp_enabled() else "off"
         return (drift < 0.1 and agreement >= 0.75,
-                f"{dtype}, {engine.block_manager.num_blocks} KV blocks, max |dlogprob| vs float32 CPU {drift:.4f}, "
-                f"greedy agreement {agreement:.0%}")
+                f"{dtype}, {engine.block_manager.num_blocks} KV blocks, cuDNN attention {cudnn}, max |dlogprob| vs "
+                f"float32 CPU {drift:.4f}, greedy agreement {agreement:.0%}")
 
     def runner_stream():
         engine = state["full"]

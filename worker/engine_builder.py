@@ -82,6 +82,11 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
         # Build (first use only, about a minute) or load our CPU kernels now rather than inside
         # the first step.
         cpu_kernels.load()
+    elif target.device.type == "cuda":
+        # torch sends attention to cuDNN first on Hopper and later, and cuDNN builds an execution
+        # plan for every new shape (hundreds of ms; a server's prompt chunks are new shapes all the
+        # time); flash and memory-efficient attention take any shape as it comes.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     started = time.perf_counter()
     model = load_model(target.model_dir, target.device, config.dtype or None, max_positions=target.max_model_len,
                        placement=target.plan)
