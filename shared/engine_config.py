@@ -63,8 +63,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention: str = "fast"  # "fast" or "reference" (the per-sequence loop the tests trust)
-    # CUDA: decode-only steps replay captured graphs, one per batch-size and context-width bucket,
-    # captured on first use; a step's many small kernels then cost one launch (worker/decode_graphs.py).
+    # CUDA: decode steps, and steps verifying speculative drafts, replay captured graphs (one per
+    # batch, context-width and draft-length bucket); a step's many small kernels then cost one
+    # launch (worker/decode_graphs.py).
     cuda_graphs: bool = True
     seed: int | None = None  # for requests without a seed of their own
     # Weight placement (worker/model/placement.py): "full" (every weight on `device`), "sharded"

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from worker import engine_builder
-from worker.decode_graphs import DecodeGraphs, batch_buckets, width_bucket
+from worker.decode_graphs import DecodeGraphs, batch_buckets, query_buckets, width_bucket
 from worker.engine import Engine, SamplingParams
-from worker.model.attention import AttentionMetadata, paged_attention
+from worker.model.attention import (AttentionMetadata, fixed_query_attention, paged_attention,
+                                    paged_attention_reference)
 from worker.model.weights import load_model
 
 BLOCK = 4
@@ -29,6 +30,12 @@ def test_batch_buckets_cover_every_size_up_to_the_most():
 def test_width_bucket_is_the_next_power_of_two_capped():
     assert [width_bucket(n, 128) for n in (1, 2, 3, 5, 8, 9, 100, 128)] == [1, 2, 4, 8, 8, 16, 128, 128]
     assert width_bucket(70, 100) == 100
+
+
+def test_query_buckets_run_from_one_token_to_the_longest_draft():
+    assert query_buckets(1) == [1]
+    assert query_buckets(9) == [1, 2, 4, 8, 9]
+    assert query_buckets(8) == [1, 2, 4, 8]
 
 
 def test_width_buckets_end_at_the_widest_table(llama_dir):
@@ -72,21 +79,24 @@ def test_engine_with_decode_graphs_generates_what_the_eager_engine_does(checkpoi
     graphed.check_integrity()
 
 
-def test_padding_rows_write_only_the_padding_block(llama_dir):
+@pytest.mark.parametrize("new_tokens", [[[7], [8], [9]], [[7, 8], [9], [10, 11, 12]]])
+def test_padding_rows_write_only_the_padding_block(llama_dir, new_tokens):
     model = load_model(llama_dir, torch.device("cpu"))
     config = model.config
     num_blocks, padding_block = 12, 11
     shape = (num_blocks, BLOCK, config.num_kv_heads, config.head_dim)
     kv = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_layers)]
     before = [(k.clone(), v.clone()) for k, v in kv]
-    logits = torch.zeros(8, config.vocab_size)
+    logits = torch.zeros(32, config.vocab_size)
     graphs = DecodeGraphs(model, kv, BLOCK, max_num_seqs=8, max_blocks_per_seq=8, attention_fn=paged_attention,
-                          logits=logits, padding_block=padding_block, capture=False)
-    tables, contexts = [[0, 1, 2], [3], [4, 5]], [9, 2, 4]  # three sequences: a batch of 4 with one padding row
+                          logits=logits, padding_block=padding_block, capture=False, max_queries=4)
+    # Three sequences: a batch of 4 with one padding row, and with drafts padding tokens too.
+    tables, contexts = [[0, 1, 2], [3], [4, 5]], [9, 2, 4]
     with torch.inference_mode():
-        out = graphs.run([7, 8, 9], contexts, tables)
-    assert out.shape == (3, config.vocab_size)
-    written = {(table[ctx // BLOCK], ctx % BLOCK) for table, ctx in zip(tables, contexts)} | {(padding_block, 0)}
+        out = graphs.run(new_tokens, contexts, tables)
+    assert out.shape == (sum(map(len, new_tokens)), config.vocab_size)
+    written = {(table[p // BLOCK], p % BLOCK) for table, ctx, tokens in zip(tables, contexts, new_tokens)
+               for p in range(ctx, ctx + len(tokens))} | {(padding_block, 0)}
     for (k, v), (k0, v0) in zip(kv, before):
         for cache, old in ((k, k0), (v, v0)):
             changed = (cache != old).flatten(2).any(-1).nonzero().tolist()
@@ -103,7 +113,7 @@ def test_graph_logits_match_an_eager_step(llama_dir):
                           logits=torch.zeros(4, config.vocab_size), padding_block=9, capture=False)
     tables, contexts, tokens = [[0, 1, 2, 3], [4, 5]], [13, 5], [11, 12]
     with torch.inference_mode():
-        got = graphs.run(tokens, contexts, tables)
+        got = graphs.run([[t] for t in tokens], contexts, tables)
         meta = AttentionMetadata.build(tables, contexts, [1, 1], BLOCK)
         hidden = model(torch.tensor(tokens), torch.tensor(contexts), eager_kv, meta, paged_attention)
         expected = model.compute_logits(hidden)
@@ -120,19 +130,53 @@ def test_only_plain_decode_steps_take_the_graphs(checkpoints, monkeypatch):
     _outputs(engine, [[5, 6, 7, 8]], n=6)
     assert graphs.num_steps == 5
     # A context past the widest bucket, or more sequences than the largest batch, run eagerly.
-    assert not graphs.takes(1, engine.runner.max_blocks_per_seq * BLOCK)
-    assert graphs.takes(4, 0) and not graphs.takes(5, 0)
+    assert not graphs.takes(1, engine.runner.max_blocks_per_seq * BLOCK + 1)
+    assert graphs.takes(1, engine.runner.max_blocks_per_seq * BLOCK)
+    assert graphs.takes(4, 1) and not graphs.takes(5, 1)
 
 
-def test_steps_that_verify_drafts_run_eagerly(checkpoints, monkeypatch):
+def test_steps_that_verify_drafts_generate_what_eager_steps_do(checkpoints, monkeypatch):
+    monkeypatch.setattr(engine_builder, "choose_fast_path", lambda model, attention: (None, "the modules, for a test"))
+    options = dict(device="cpu", num_kv_blocks=96, block_size=BLOCK, max_num_seqs=4, speculative_ngram_k=4,
+                   speculative_ngram_max_step_tokens=0)
+    eager = Engine.from_model_dir(checkpoints["llama"], **options)
     _graphs_without_capture(monkeypatch)
-    engine = Engine.from_model_dir(checkpoints["llama"], device="cpu", num_kv_blocks=64, block_size=BLOCK,
-                                   max_num_seqs=4, speculative_ngram_k=4)
-    _outputs(engine, [[5, 6, 7, 8, 9] * 6], n=24)  # repeated text: prompt lookup drafts at once
-    stats = engine.stats()
-    assert stats.num_spec_draft_tokens > 0
-    decode_steps = stats.num_steps - 1  # all but the prompt's
-    assert engine.runner.decode_graphs.num_steps < decode_steps
+    graphed = Engine.from_model_dir(checkpoints["llama"], **options)
+    # Repeated text: prompt lookup drafts at once, and drafts of several lengths meet in one step.
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 5 + [14], [20, 21, 22, 23] * 4]
+    for batch in (prompts[:1], prompts):
+        expected, got = _outputs(eager, batch, n=24), _outputs(graphed, batch, n=24)
+        for e, g in zip(expected, got):
+            assert g.token_ids == e.token_ids
+            assert g.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+    graphs = graphed.runner.decode_graphs
+    assert graphed.stats().num_spec_draft_tokens > 0 and graphs.num_draft_steps > 0
+    assert graphs.num_draft_steps < graphs.num_steps  # plain decode steps too
+    graphed.check_integrity()
+
+
+@pytest.mark.parametrize("queries", [2, 3, 5])
+def test_fixed_query_attention_matches_the_reference(queries):
+    generator = torch.Generator().manual_seed(queries)
+    num_blocks, heads, kv_heads, dim = 24, 4, 2, 16
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=generator)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=generator)
+    tables, contexts, new = [[3, 7, 1, 9], [2, 5, 11], [0, 4]], [9, 6, 2], [queries, 1, queries - 1]
+    q = torch.randn(sum(new), heads, dim, generator=generator)
+    reference = paged_attention_reference(q, None, None, k_cache, v_cache,
+                                          AttentionMetadata.build(tables, contexts, new, BLOCK), 0.25)
+    # The same tokens laid out `queries` a sequence, the rest padding that reads no one's keys.
+    padded = torch.zeros(3 * queries, heads, dim)
+    rows = [b * queries + i for b, n in enumerate(new) for i in range(n)]
+    padded[rows] = q
+    width = 4
+    meta = AttentionMetadata(slot_mapping=torch.zeros(3 * queries, dtype=torch.int64),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             seq_lens=torch.tensor([c + n for c, n in zip(contexts, new)]),
+                             query_lens=[queries] * 3, context_lens=[width * BLOCK - queries] * 3, num_decodes=0)
+    out = fixed_query_attention(padded, None, None, k_cache, v_cache, meta, 0.25, queries=queries,
+                                context_lens=torch.tensor(contexts))
+    torch.testing.assert_close(out[rows], reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -146,5 +190,19 @@ def test_captured_graphs_replay_what_eager_steps_compute(llama_dir):
         assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     graphs = graphed.runner.decode_graphs
     assert graphs.disabled is None and graphs.num_replays > 0
-    # Every bucket was captured at start-up: no step captured one.
+    # Every plain-decode bucket was captured at start-up: no step captured one.
     assert graphs.num_captures == len(graphs.batch_sizes) * len(graphs.widths()) == len(graphs._graphs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_draft_graphs_verify_what_eager_steps_do(llama_dir):
+    options = dict(device="cuda", dtype="float32", num_kv_blocks=64, block_size=BLOCK, max_num_seqs=4,
+                   speculative_ngram_k=4, speculative_ngram_max_step_tokens=0)
+    eager = Engine.from_model_dir(llama_dir, cuda_graphs=False, **options)
+    graphed = Engine.from_model_dir(llama_dir, **options)
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 5 + [14]]
+    expected, got = _outputs(eager, prompts, n=24), _outputs(graphed, prompts, n=24)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    graphs = graphed.runner.decode_graphs
+    assert graphs.drafts_disabled is None and graphs.num_draft_steps > 0
+    assert graphs.num_captures > len(graphs.batch_sizes) * len(graphs.widths())  # draft graphs, on first use

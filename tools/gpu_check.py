@@ -125,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         stats = engine.stats()
         agreement = _agreement(plain, drafted)
         engine.check_integrity()
+        graphs = engine.runner.decode_graphs
+        from_graphs = (f"{graphs.num_draft_steps} verify steps from graphs (off: {graphs.drafts_disabled})"
+                       if graphs is not None else "no graphs")
         return (agreement >= (0.9 if device.startswith("cuda") else 1.0) and stats.num_spec_accepted_tokens > 0,
                 f"greedy agreement with plain decoding {agreement:.0%}; {stats.num_spec_accepted_tokens} of "
                 f"{stats.num_spec_draft_tokens} draft tokens accepted; {stats.num_steps} steps for "
-                f"{sum(map(len, drafted))} tokens")
+                f"{sum(map(len, drafted))} tokens; {from_graphs}")
 
     def kv_cache_dtype():
         # A pool type other than the compute dtype (bfloat16 on CUDA): every read casts, every write rounds.

@@ -3,28 +3,33 @@
 A decode step of a small batch launches hundreds of small kernels (a few per projection, norm
 and rotation in every layer), and on a GPU their launch cost, not the weights' memory traffic,
 sets the step's time. A captured graph launches them all at once. Graphs have fixed shapes and
-fixed addresses, so this module owns the step's inputs in buffers of its own and captures one
-graph per (batch size, context width) bucket on first use: the batch padded up to a bucket
-size with rows that write their K/V into a block no request owns (the padding block) and
-attend to one slot of it, the block tables padded to a bucket width in blocks (a power of two)
-that the attention masks by each sequence's length. Logits land in the runner's buffer.
+fixed addresses, so this module owns the step's inputs in buffers of its own and keeps one graph
+per bucket of (batch size, context width, tokens per sequence): the batch padded up to a bucket
+size with rows that write their K/V into a block no request owns (the padding block) and attend
+to one slot of it, the block tables padded to a bucket width in blocks (a power of two) that the
+attention masks by each sequence's length. Logits land in the runner's buffer.
 
-Steps with a prompt chunk or a draft to verify, and batches past the largest bucket, run
-eagerly. `capture=False` runs the same padded, fixed-shape forward without capturing (how the
+Plain decode steps (one token a sequence) are all captured at start-up (`capture_all`). Steps
+that verify speculative drafts (a token and its draft a sequence) take graphs of several tokens a
+sequence, their drafts padded with tokens that write only to the padding block and whose logits
+are dropped; these are captured on first use. Prompt chunks, and steps past the largest bucket,
+run eagerly. `capture=False` runs the same padded, fixed-shape forward without capturing (how the
 CPU tests check everything but the capture itself).
 """
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Sequence
 
 import torch
 
-from worker.model.attention import AttentionMetadata
+from worker.model.attention import AttentionMetadata, fixed_query_attention
 from worker.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
-_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens")
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")  # a value per token: rows x queries
+_SEQUENCE_FIELDS = ("seq_lens", "context_lens")  # a value per sequence
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -38,10 +43,18 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
     return min(1 << max(0, blocks - 1).bit_length(), max_blocks)
 
 
+def query_buckets(max_queries: int) -> list[int]:
+    """Tokens per sequence: 1 (plain decode), then powers of two, then max_queries."""
+    return sorted({width_bucket(n, max_queries) for n in range(1, max_queries + 1)})
+
+
 class DecodeGraphs:
+    """`max_queries`: the most tokens a sequence brings to a step the graphs take (1 + the longest
+    draft); `logits` must hold max_num_seqs rows, and steps of more rows than it holds run eagerly."""
+
     def __init__(self, model: Transformer, kv_caches: list, block_size: int, max_num_seqs: int,
                  max_blocks_per_seq: int, attention_fn, logits: torch.Tensor, padding_block: int,
-                 capture: bool = True):
+                 capture: bool = True, max_queries: int = 1):
         self.model, self.kv_caches, self.attention_fn = model, kv_caches, attention_fn
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
         self.logits = logits
@@ -49,86 +62,130 @@ class DecodeGraphs:
         self.padding_block = padding_block
         self.capture = capture
         self.batch_sizes = batch_buckets(max_num_seqs)
+        self.query_sizes = query_buckets(max(1, max_queries))
         rows = self.batch_sizes[-1]
+        self._rows, self._tokens = rows, rows * self.query_sizes[-1]
         device = model.input_device
-        # One flat buffer, so a step's inputs cross to the device in one copy: four vectors of
-        # `rows`, then the block tables [rows, max_blocks].
-        size = rows * (len(_FIELDS) + max_blocks_per_seq)
+        # One flat buffer, so a step's inputs cross to the device in one copy: the token vectors,
+        # the sequence vectors, then the block tables [rows, max_blocks].
+        self._tables_at = len(_TOKEN_FIELDS) * self._tokens + len(_SEQUENCE_FIELDS) * rows
+        size = self._tables_at + rows * max_blocks_per_seq
         on_cuda = device.type == "cuda"
         self._host = torch.zeros(size, dtype=torch.int64, pin_memory=on_cuda)
         self._device = torch.zeros(size, dtype=torch.int64, device=device) if on_cuda else self._host
         self._host_array = self._host.numpy()
-        self._rows = rows
         self._host_tables = self._tables(self._host).numpy()
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture and on_cuda else None
         self.disabled: str | None = None  # why graphs stopped being used, once a capture failed
-        self.num_steps = 0  # decode steps run here, captured or not
+        self.drafts_disabled: str | None = None  # likewise for the graphs of several tokens a sequence
+        self.num_steps = 0  # steps run here, captured or not
+        self.num_draft_steps = 0  # of which steps verifying drafts
         self.num_replays = 0
         self.num_captures = 0
 
-    def _vector(self, buffer: torch.Tensor, index: int, rows: int) -> torch.Tensor:
-        return buffer[index * self._rows:index * self._rows + rows]
+    def _offset(self, name: str) -> int:
+        if name in _TOKEN_FIELDS:
+            return _TOKEN_FIELDS.index(name) * self._tokens
+        return len(_TOKEN_FIELDS) * self._tokens + _SEQUENCE_FIELDS.index(name) * self._rows
+
+    def _vector(self, buffer: torch.Tensor, name: str, length: int) -> torch.Tensor:
+        start = self._offset(name)
+        return buffer[start:start + length]
 
     def _tables(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[len(_FIELDS) * self._rows:].view(self._rows, self.max_blocks)
+        return buffer[self._tables_at:].view(self._rows, self.max_blocks)
 
-    def takes(self, num_seqs: int, max_context_len: int) -> bool:
-        """Whether a decode step of this many sequences, the longest with this many cached tokens,
-        can run from a graph."""
-        return (self.disabled is None and num_seqs <= self._rows
-                and max_context_len // self.block_size < self.max_blocks)
+    def takes(self, num_seqs: int, max_seq_len: int, max_queries: int = 1) -> bool:
+        """Whether a step of this many sequences, the longest reaching `max_seq_len` tokens with
+        this one (its cached tokens plus its new ones), each bringing at most `max_queries`
+        tokens, can run from a graph."""
+        if self.disabled is not None or num_seqs > self._rows or max_queries > self.query_sizes[-1]:
+            return False
+        if max_queries > 1:
+            rows = next(n for n in self.batch_sizes if n >= num_seqs)
+            queries = next(q for q in self.query_sizes if q >= max_queries)
+            if self.drafts_disabled is not None or rows * queries > self.logits.shape[0]:
+                return False
+        return (max_seq_len - 1) // self.block_size < self.max_blocks
 
     def widths(self) -> list[int]:
         """Every width bucket: powers of two below max_blocks, then max_blocks."""
         return sorted({width_bucket(1 << i, self.max_blocks) for i in range(self.max_blocks.bit_length() + 1)})
 
     def capture_all(self) -> int:
-        """Capture every (batch, width) bucket now, rows all padding, so no step of a running
-        server pays for a capture; the number captured (0 without capture, or once one failed)."""
+        """Capture every plain-decode (batch, width) bucket now, rows all padding, so no decode
+        step of a running server pays for a capture; the number captured (0 without capture, or
+        once one failed)."""
         captured = 0
         for rows in reversed(self.batch_sizes):  # the largest first: the pool grows once
             for width in reversed(self.widths()):
                 if self.disabled is not None or self._pool is None:
                     return captured
-                if (rows, width) not in self._graphs:
-                    self._fill([], [], [], rows, width)
-                    self._graphs[rows, width] = self._capture(rows, width)
-                    captured += self._graphs[rows, width] is not None
+                if (rows, width, 1) not in self._graphs:
+                    self._fill([], [], [], rows, width, 1)
+                    self._graphs[rows, width, 1] = self._capture(rows, width, 1)
+                    captured += self._graphs[rows, width, 1] is not None
         return captured
 
-    def run(self, token_ids: Sequence[int], context_lens: Sequence[int],
+    def run(self, new_token_ids: Sequence[Sequence[int]], context_lens: Sequence[int],
             block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The logits [B, V] (a view of the runner's buffer) of one decode step: sequence b feeds
-        token_ids[b] at position context_lens[b], its K/V going where block_tables[b] says."""
-        num_seqs = len(token_ids)
+        """The logits of one step, one row per new token in order ([sum of tokens, V]; a view
+        of the runner's buffer when each sequence brings one): sequence b feeds new_token_ids[b]
+        from position context_lens[b] on, its K/V going where block_tables[b] says."""
+        num_seqs = len(new_token_ids)
+        most = max(map(len, new_token_ids))
         rows = next(n for n in self.batch_sizes if n >= num_seqs)
-        width = width_bucket(max(context_lens) // self.block_size + 1, self.max_blocks)
-        self._fill(token_ids, context_lens, block_tables, rows, width)
+        queries = next(q for q in self.query_sizes if q >= most)
+        longest = max(ctx + len(tokens) for ctx, tokens in zip(context_lens, new_token_ids))
+        width = width_bucket(-(-longest // self.block_size), self.max_blocks)
+        self._fill(new_token_ids, context_lens, block_tables, rows, width, queries)
         self.num_steps += 1
-        key = (rows, width)
+        self.num_draft_steps += queries > 1
+        key = (rows, width, queries)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(rows, width)
+            self._graphs[key] = self._capture(rows, width, queries)
         graph = self._graphs[key]
         if graph is None:
-            self._forward(rows, width)
+            self._forward(rows, width, queries)
         else:
             graph.replay()
             self.num_replays += 1
-        return self.logits[:num_seqs]
+        if queries == 1:
+            return self.logits[:num_seqs]
+        index = [b * queries + i for b, tokens in enumerate(new_token_ids) for i in range(len(tokens))]
+        return self.logits.index_select(0, torch.tensor(index, device=self.logits.device))
 
-    def _fill(self, token_ids, context_lens, block_tables, rows: int, width: int) -> None:
+    def _fill(self, new_token_ids, context_lens, block_tables, rows: int, width: int, queries: int) -> None:
         array, size = self._host_array, self.block_size
-        num_seqs = len(token_ids)
-        stride = self._rows
-        array[0:num_seqs] = token_ids
-        array[stride:stride + num_seqs] = context_lens
-        array[2 * stride:2 * stride + num_seqs] = [table[ctx // size] * size + ctx % size
-                                                   for table, ctx in zip(block_tables, context_lens)]
-        array[3 * stride:3 * stride + num_seqs] = [ctx + 1 for ctx in context_lens]
+        num_seqs = len(new_token_ids)
+        ids, positions, slots = (self._offset(name) for name in _TOKEN_FIELDS)
+        seq_lens, contexts = (self._offset(name) for name in _SEQUENCE_FIELDS)
+        if queries == 1:  # the hot path: one token a sequence, no padding within a row
+            array[ids:ids + num_seqs] = [tokens[0] for tokens in new_token_ids]
+            array[positions:positions + num_seqs] = context_lens
+            array[slots:slots + num_seqs] = [table[ctx // size] * size + ctx % size
+                                             for table, ctx in zip(block_tables, context_lens)]
+            array[seq_lens:seq_lens + num_seqs] = [ctx + 1 for ctx in context_lens]
+        else:
+            # Padding tokens of a real row: token 0 at position 0, K/V to the padding block.
+            array[ids:ids + rows * queries] = 0
+            array[positions:positions + rows * queries] = 0
+            array[slots:slots + rows * queries] = self.padding_slot
+            for b, (tokens, ctx, table) in enumerate(zip(new_token_ids, context_lens, block_tables)):
+                at = b * queries
+                array[ids + at:ids + at + len(tokens)] = tokens
+                array[positions + at:positions + at + len(tokens)] = range(ctx, ctx + len(tokens))
+                array[slots + at:slots + at + len(tokens)] = [table[p // size] * size + p % size
+                                                            for p in range(ctx, ctx + len(tokens))]
+                array[seq_lens + b] = ctx + len(tokens)
+        array[contexts:contexts + num_seqs] = context_lens
         # Padding rows: token 0 at position 0, written to and read from the padding block alone.
-        for index, value in enumerate((0, 0, self.padding_slot, 1)):
-            array[index * stride + num_seqs:index * stride + rows] = value
+        first, last = num_seqs * queries, rows * queries
+        for start, value in ((ids, 0), (positions, 0), (slots, self.padding_slot)):
+            array[start + first:start + last] = value
+        array[seq_lens + num_seqs:seq_lens + rows] = 1
+        array[contexts + num_seqs:contexts + rows] = 0
         tables = self._host_tables
         for b, table in enumerate(block_tables):
             used = min(len(table), width)
@@ -136,22 +193,26 @@ class DecodeGraphs:
             tables[b, used:width] = self.padding_block
         tables[num_seqs:rows, :width] = self.padding_block
         if self._device is not self._host:
-            end = len(_FIELDS) * stride + rows * self.max_blocks
+            end = self._tables_at + rows * self.max_blocks
             self._device[:end].copy_(self._host[:end], non_blocking=True)
 
-    def _forward(self, rows: int, width: int) -> None:
+    def _forward(self, rows: int, width: int, queries: int) -> None:
         buffer = self._device
+        tokens = rows * queries
         # context_lens only shape the attention (every sequence as long as the width allows);
         # seq_lens, read on the device, mask each sequence to its own length.
-        meta = AttentionMetadata(slot_mapping=self._vector(buffer, 2, rows),
+        meta = AttentionMetadata(slot_mapping=self._vector(buffer, "slot_mapping", tokens),
                                  block_tables=self._tables(buffer)[:rows, :width],
-                                 seq_lens=self._vector(buffer, 3, rows), query_lens=[1] * rows,
-                                 context_lens=[width * self.block_size - 1] * rows, num_decodes=rows)
-        hidden = self.model(self._vector(buffer, 0, rows), self._vector(buffer, 1, rows), self.kv_caches, meta,
-                            self.attention_fn)
-        self.model.compute_logits(hidden, out=self.logits[:rows])
+                                 seq_lens=self._vector(buffer, "seq_lens", rows), query_lens=[queries] * rows,
+                                 context_lens=[width * self.block_size - queries] * rows,
+                                 num_decodes=rows if queries == 1 else 0)
+        attention = self.attention_fn if queries == 1 else partial(
+            fixed_query_attention, queries=queries, context_lens=self._vector(buffer, "context_lens", rows))
+        hidden = self.model(self._vector(buffer, "input_ids", tokens), self._vector(buffer, "positions", tokens),
+                            self.kv_caches, meta, attention)
+        self.model.compute_logits(hidden, out=self.logits[:tokens])
 
-    def _capture(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, rows: int, width: int, queries: int) -> torch.cuda.CUDAGraph | None:
         if self._pool is None:
             return None
         try:
@@ -160,16 +221,20 @@ class DecodeGraphs:
             side = torch.cuda.Stream(self._device.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._forward(rows, width)
+                self._forward(rows, width, queries)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the memory watchdog may query the device from its own thread meanwhile.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._forward(rows, width)
-            log.debug("captured a decode graph of %d sequences, %d blocks wide", rows, width)
+                self._forward(rows, width, queries)
+            log.debug("captured a graph of %d sequences x %d tokens, %d blocks wide", rows, queries, width)
             self.num_captures += 1
             return graph
-        except Exception as exc:  # an op that cannot be captured: every later step runs eagerly
-            self.disabled = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            log.warning("decode graphs disabled, a capture failed (%s)", self.disabled)
+        except Exception as exc:  # an op that cannot be captured: such steps run eagerly from now on
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if queries == 1:
+                self.disabled = reason
+            else:
+                self.drafts_disabled = reason
+            log.warning("%s graphs disabled, a capture failed (%s)", "decode" if queries == 1 else "draft", reason)
             return None

@@ -166,13 +166,14 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
 
     def use_decode_graphs(self, padding_block: int, capture: bool = True) -> None:
-        """Run decode-only steps from captured graphs (worker/decode_graphs.py), padding batches
-        with rows that write only to `padding_block`, a block of the pools no request is given."""
+        """Run decode steps, and steps that verify drafts, from captured graphs
+        (worker/decode_graphs.py), padding batches with rows that write only to `padding_block`,
+        a block of the pools no request is given."""
         if self.fast_path is not None or self.model.placement is not None:
             raise ValueError("decode graphs capture the modules on one device: not with a CPU fast path or placement")
         self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, self.max_num_seqs,
                                           self.max_blocks_per_seq, self.attention_fn, self.logits, padding_block,
-                                          capture=capture)
+                                          capture=capture, max_queries=1 + self.max_draft_tokens)
 
     def capture_decode_graphs(self) -> int:
         """Capture every decode graph bucket now (at start-up), on the runner's stream; how many."""
@@ -263,11 +264,13 @@ class ModelRunner:
         """The step of `seqs` (in step order): the positions of the sequences that sample, and the
         sampler's output for their rows (None when none samples)."""
         graphs = self.decode_graphs
-        if graphs is not None and all(len(s.new_token_ids) == 1 and s.needs_sample and not s.draft_token_ids
+        # A graph's step: every sequence samples each token it brings (one, or one and its draft).
+        if graphs is not None and all(s.needs_sample and len(s.new_token_ids) == 1 + len(s.draft_token_ids)
                                       for s in seqs):
-            context_lens = [s.context_len for s in seqs]
-            if graphs.takes(len(seqs), max(context_lens)):
-                logits = graphs.run([s.new_token_ids[0] for s in seqs], context_lens, [s.block_table for s in seqs])
+            most = max(len(s.new_token_ids) for s in seqs)
+            if graphs.takes(len(seqs), max(s.context_len + len(s.new_token_ids) for s in seqs), most):
+                logits = graphs.run([s.new_token_ids for s in seqs], [s.context_len for s in seqs],
+                                    [s.block_table for s in seqs])
                 return list(range(len(seqs))), self.sampler(logits, sampling_batch(seqs))
         input_ids, positions, meta, logits_indices, sampled = self._prepare(seqs)
         # Read once: the fast path and the modules compute the same step, logits included.

@@ -201,6 +201,34 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def fixed_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *, queries: int,
+                          context_lens: torch.Tensor) -> torch.Tensor:
+    """Every sequence brings `queries` tokens (q [B * queries, H, D], sequence b's at rows
+    b * queries on), already written to the pools; token i of sequence b sits at position
+    context_lens[b] + i and sees the keys at or before it, within seq_lens[b]. Shapes depend on
+    B, `queries` and the tables' width alone, and masks are made on the device, so a graph can
+    capture it (worker/decode_graphs.py: steps that verify speculative drafts)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = num_tokens // queries
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys = k_cache[meta.block_tables].to(q.dtype).flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[meta.block_tables].to(q.dtype).flatten(1, 2).transpose(1, 2)
+    length = keys.shape[2]
+    key_positions = torch.arange(length, device=q.device)
+    query_positions = context_lens.unsqueeze(1) + torch.arange(queries, device=q.device)  # [B, Q]
+    mask = ((key_positions <= query_positions.unsqueeze(2))
+            & (key_positions < meta.seq_lens.view(num_seqs, 1, 1)))  # [B, Q, L]
+    # The query heads of one KV head side by side, for every token: [B, Hkv, Q * group, D].
+    grouped = q.reshape(num_seqs, queries, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    grouped = grouped.reshape(num_seqs, num_kv_heads, queries * group, head_dim)
+    mask = mask.unsqueeze(2).expand(num_seqs, queries, group, length).reshape(num_seqs, 1, queries * group, length)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, queries, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(num_tokens, num_heads, head_dim)
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
                        scale: float) -> torch.Tensor:
     # q [q, H, D]; k, v [ctx + q, Hkv, D] -> [q, H, D]. On the CPU, SDPA's own grouped-query
