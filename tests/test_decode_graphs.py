@@ -22,6 +22,9 @@ def test_batch_buckets_cover_every_size_up_to_the_most():
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert batch_buckets(1) == [1]
     assert batch_buckets(4) == [1, 2, 4]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(256) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 192, 224, 256]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 100]
     for most in range(1, 70):
         sizes = batch_buckets(most)
         assert sizes == sorted(set(sizes)) and sizes[-1] == most

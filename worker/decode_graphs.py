@@ -33,9 +33,12 @@ _SEQUENCE_FIELDS = ("seq_lens", "context_lens")  # a value per sequence
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8, up to and including max_num_seqs."""
-    sizes = [n for n in (1, 2, 4) if n < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sizes + [max_num_seqs]
+    """1, 2, 4, 8, every multiple of 8 to 64, then of 32, up to and including max_num_seqs: a
+    decode step pads at most 8 rows up to 64 sequences, and a large max_num_seqs does not
+    multiply the graphs captured at start-up (one per batch bucket and context width)."""
+    sizes = [n for n in (1, 2, 4) if n < max_num_seqs] + list(range(8, min(max_num_seqs, 65), 8))
+    sizes += list(range(96, max_num_seqs, 32))
+    return sorted({n for n in sizes if n < max_num_seqs} | {max_num_seqs})
 
 
 def width_bucket(blocks: int, max_blocks: int) -> int:
@@ -77,6 +80,10 @@ class DecodeGraphs:
         self._host_tables = self._tables(self._host).numpy()
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture and on_cuda else None
+        # Captures on a stream of this device: torch's shared default one lives on whichever
+        # device captured first.
+        self._capture_stream = torch.cuda.Stream(device) if self._pool is not None else None
+        self.num_skipped = 0  # buckets left eager because their capture ran out of memory
         self.disabled: str | None = None  # why graphs stopped being used, once a capture failed
         self.drafts_disabled: str | None = None  # likewise for the graphs of several tokens a sequence
         self.num_steps = 0  # steps run here, captured or not
@@ -225,11 +232,20 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the memory watchdog may query the device from its own thread meanwhile.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream,
+                                  capture_error_mode="thread_local"):
                 self._forward(rows, width, queries)
             log.debug("captured a graph of %d sequences x %d tokens, %d blocks wide", rows, queries, width)
             self.num_captures += 1
             return graph
+        except torch.cuda.OutOfMemoryError:
+            # This bucket's graph does not fit beside the KV pool: its steps run eagerly (as
+            # lean as before), the other buckets keep their graphs.
+            self.num_skipped += 1
+            torch.cuda.empty_cache()
+            log.warning("no memory to capture a graph of %d sequences x %d tokens, %d blocks wide: such steps "
+                        "run eagerly", rows, queries, width)
+            return None
         except Exception as exc:  # an op that cannot be captured: such steps run eagerly from now on
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if queries == 1:

@@ -159,7 +159,7 @@ def _calibrate(target: _Target, model: Transformer, make_engine: Callable[[Engin
                settings: CalibrationSettings) -> Calibration:
     """Calibration samples from a plain float engine over `model`; its KV pool goes with it."""
     attach_placement(model, target.plan)
-    float_engine = make_engine(_assemble(target, model, load_seconds=0.0))
+    float_engine = make_engine(_assemble(target, model, load_seconds=0.0, graphs=False))  # a few steps only
     calibration, _ = load_or_calibrate(float_engine, rule, settings)
     del float_engine
     gc.collect()
@@ -169,13 +169,13 @@ def _calibrate(target: _Target, model: Transformer, make_engine: Callable[[Engin
 
 
 def _assemble(target: _Target, model: Transformer, load_seconds: float,
-              fast_path: CpuFastPath | None = None) -> EngineParts:
+              fast_path: CpuFastPath | None = None, graphs: bool = True) -> EngineParts:
     config = target.config
     # Logits come out on the last pipeline stage (sharded): sample and draw noise there.
     sampler = Sampler(model.output_device, seed=config.seed)
     dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.compute_dtype)  # the KV pools' element type
     num_blocks = _num_kv_blocks(target, model, sampler, dtype)
-    graphs = decode_graph_mode(target, model, fast_path)
+    graphs = decode_graph_mode(target, model, fast_path) if graphs else ""
     # Decode graphs pad their batches with rows that write into one more block, which no request owns.
     kv_caches = allocate_kv_cache(model.config, num_blocks + bool(graphs), config.block_size, dtype,
                                   model.layer_devices)
