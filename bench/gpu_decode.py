@@ -106,6 +106,12 @@ def _prompts(vocab: int, count: int, length: int, seed: int = 0) -> list[list[in
     return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
 
 
+def _single_stream(decode_seconds, vocab: int, decode_tokens: int, repeats: int) -> dict:
+    """The record's single-stream rate, from `decode_seconds(prompt, n)` on a 4-token prompt."""
+    prompt = _prompts(vocab, 1, 4)[0]
+    return dict(decode_tok_s=measure_decode_rate(decode_seconds, prompt, decode_tokens, repeats).tokens_per_s)
+
+
 def measure_ours(model_dir: Path, device: torch.device, dtype: str, decode_tokens: int, batched, repeats: int,
                  kv_blocks: int, graphs: bool = True, profile: bool = False) -> dict:
     from worker.engine import Engine, SamplingParams
@@ -114,9 +120,7 @@ def measure_ours(model_dir: Path, device: torch.device, dtype: str, decode_token
                                    max_num_seqs=max(32, batched[0]) if batched else 32,
                                    max_num_batched_tokens=2048, cuda_graphs=graphs)
     vocab = engine.model_config.vocab_size
-    prompt = _prompts(vocab, 1, 4)[0]
-    rate = measure_decode_rate(lambda p, n: engine_decode_seconds(engine, p, n), prompt, decode_tokens, repeats)
-    record = dict(decode_tok_s=rate.tokens_per_s)
+    record = _single_stream(lambda p, n: engine_decode_seconds(engine, p, n), vocab, decode_tokens, repeats)
     if batched:
         sequences, prompt_len, new_tokens = batched
         prompts = _prompts(vocab, sequences, prompt_len, seed=1)
@@ -144,9 +148,7 @@ def measure_transformers(model_dir: Path, device: torch.device, dtype: str, deco
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa")
     model = model.to(device).eval()
     vocab = model.config.vocab_size
-    prompt = _prompts(vocab, 1, 4)[0]
-    rate = measure_decode_rate(lambda p, n: hf_decode_seconds(model, p, n), prompt, decode_tokens, repeats)
-    record = dict(decode_tok_s=rate.tokens_per_s)
+    record = _single_stream(lambda p, n: hf_decode_seconds(model, p, n), vocab, decode_tokens, repeats)
     if batched:
         sequences, prompt_len, new_tokens = batched
         requests = [Request(p, new_tokens) for p in _prompts(vocab, sequences, prompt_len, seed=1)]

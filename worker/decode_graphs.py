@@ -63,7 +63,6 @@ class DecodeGraphs:
         self.logits = logits
         self.padding_slot = padding_block * block_size
         self.padding_block = padding_block
-        self.capture = capture
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.query_sizes = query_buckets(max(1, max_queries))
         rows = self.batch_sizes[-1]
@@ -71,6 +70,9 @@ class DecodeGraphs:
         device = model.input_device
         # One flat buffer, so a step's inputs cross to the device in one copy: the token vectors,
         # the sequence vectors, then the block tables [rows, max_blocks].
+        self._offsets = {name: i * self._tokens for i, name in enumerate(_TOKEN_FIELDS)}
+        self._offsets.update({name: len(_TOKEN_FIELDS) * self._tokens + i * rows
+                              for i, name in enumerate(_SEQUENCE_FIELDS)})
         self._tables_at = len(_TOKEN_FIELDS) * self._tokens + len(_SEQUENCE_FIELDS) * rows
         size = self._tables_at + rows * max_blocks_per_seq
         on_cuda = device.type == "cuda"
@@ -91,13 +93,8 @@ class DecodeGraphs:
         self.num_replays = 0
         self.num_captures = 0
 
-    def _offset(self, name: str) -> int:
-        if name in _TOKEN_FIELDS:
-            return _TOKEN_FIELDS.index(name) * self._tokens
-        return len(_TOKEN_FIELDS) * self._tokens + _SEQUENCE_FIELDS.index(name) * self._rows
-
     def _vector(self, buffer: torch.Tensor, name: str, length: int) -> torch.Tensor:
-        start = self._offset(name)
+        start = self._offsets[name]
         return buffer[start:start + length]
 
     def _tables(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -166,8 +163,7 @@ class DecodeGraphs:
     def _fill(self, new_token_ids, context_lens, block_tables, rows: int, width: int, queries: int) -> None:
         array, size = self._host_array, self.block_size
         num_seqs = len(new_token_ids)
-        ids, positions, slots = (self._offset(name) for name in _TOKEN_FIELDS)
-        seq_lens, contexts = (self._offset(name) for name in _SEQUENCE_FIELDS)
+        ids, positions, slots, seq_lens, contexts = self._offsets.values()
         if queries == 1:  # the hot path: one token a sequence, no padding within a row
             array[ids:ids + num_seqs] = [tokens[0] for tokens in new_token_ids]
             array[positions:positions + num_seqs] = context_lens
