@@ -74,32 +74,36 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
     """Our kernels tile 3 input rows x 4 weight rows (x 8 on AVX-512): every count of leftover
     rows and weight rows (98 = 24 x 4 + 2 = 12 x 8 + 2) must still match the dequantized
     reference, on both sides of the row counts where a call switches to float32 panels (15 and 18
-    rows on AVX2, 12 for INT4 and 16 for INT8 on AVX-512), and for INT4 in the nibble-split orders
-    (groups of whole runs of 16 or 32) and out of them (groups of 8). K = 264 is not a whole number of the AVX-512 tiles'
-    32-feature steps: those calls take the AVX2 tiles."""
+    rows on AVX2; on AVX-512 3 for INT4 and 5 for INT8 where K is whole blocks of 64, whose panels
+    are filled by transposing bytes, else 12 and 16), and for INT4 in the nibble-split orders
+    (groups of whole runs of 16 or 32) and out of them (groups of 8). K = 264 is not a whole
+    number of the AVX-512 tiles' 32-feature steps: those calls take the AVX2 tiles and fills."""
     torch.manual_seed(1)
     for k in (256, 264) if group_size in (0, 8) else (256,):
         weight = torch.randn(98, k)
         layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
         if not layer.path_available("ours", torch.device("cpu")):
             pytest.skip("our CPU kernels are not built here")
-        for rows in (1, 2, 3, 4, 5, 11, 12, 15, 16, 18, 19, 31, 32, 33, 40):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 11, 12, 15, 16, 18, 19, 31, 32, 33, 40):
             x = torch.randn(rows, k)
             torch.testing.assert_close(layer(x), x @ dequantize(layer.qw).t() + layer.bias, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 8), (4, 32), (4, 128)])
+@pytest.mark.parametrize("bits, group_size, in_features",
+                         [(8, 0, 256), (8, 0, 264), (4, 8, 256), (4, 8, 264), (4, 32, 256), (4, 128, 256)])
 @pytest.mark.parametrize("rows", [33, 40, 128])
-def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_size, rows):
+def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_size, rows, in_features):
     """Above a few register tiles of rows, our quantized kernels widen each weight once into float32
     panels and run the float32 panel kernel over them: the result is that kernel's on the
     dequantized weight (bit for bit for INT8, whose dequantized value is one rounding; INT4's
-    scale and zero are one fused multiply-add in the kernel against two roundings in torch)."""
+    scale and zero are one fused multiply-add in the kernel against two roundings in torch),
+    whether the panels are filled by transposing bytes (AVX-512, K whole blocks of 64) or by
+    8 x 8 float transposes (K = 264)."""
     kernels = cpu_kernels.load()
-    layer = QuantizedLinear(quantize(torch.randn(98, 256), bits, group_size or 128), path="ours")
+    layer = QuantizedLinear(quantize(torch.randn(98, in_features), bits, group_size or 128), path="ours")
     if kernels is None or not layer.path_available("ours", torch.device("cpu")):
         pytest.skip("our CPU kernels are not built here")
-    x = torch.randn(rows, 256)
+    x = torch.randn(rows, in_features)
     panels = torch.empty(rows, 98)
     kernels.linear_packed(x, pack_panels(dequantize(layer.qw)), panels)
     if bits == 8:

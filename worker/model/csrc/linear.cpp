@@ -1,5 +1,6 @@
 // Linear kernels: the packed-panel float32 linear of every float projection on the CPU fast
 // path, and the weight-only INT8 / INT4 small-batch linears that widen their weights in registers.
+#include "dequantized_panels_avx512.h"
 #include "kernels.h"
 #include "output_tiles.h"
 #include "packed_panels.h"
@@ -29,6 +30,20 @@ constexpr int64_t kInt4WidenFromRows = 12;
 constexpr int64_t kInt8WidenFromRows = 18;
 constexpr int64_t kInt4WidenFromRows = 15;
 #endif
+// Filled by transposing bytes (dequantized_panels_avx512.h), a panel costs a small share of the
+// FMAs of a few rows over it, so the panel route wins from far fewer rows.
+constexpr int64_t kInt8ByteFillFromRows = 5;
+constexpr int64_t kInt4ByteFillFromRows = 3;
+
+// Whether the AVX-512 byte-transposing fill takes weights of this many input features.
+inline bool fills_by_bytes(int64_t in_features) {
+#ifdef HAVE_AVX512_DEQUANTIZED_PANELS
+  return in_features % dequantized_panels_avx512::kBlock == 0;
+#else
+  (void)in_features;
+  return false;
+#endif
+}
 }  // namespace
 
 // x [M, K] float32, packed [P, K, kPanel] float32 or bfloat16 (pack_panels in
@@ -177,34 +192,44 @@ inline void transpose8x8(__m256 r[8]) {
 // would widen every weight once per 3 rows of x, and on AVX2 that widening, not the FMAs, bounds
 // them. Instead each run of kPanel weight rows is dequantized once into a float32 panel (the
 // packed-panel layout, L2-resident, one per thread) and the float32 panel tiles pass every row
-// of x over it. `dequantize(n, k, g)` gives the dequantized weights k..k+7 of row n (group g):
-// the values of the dequant path's float weight.
-template <typename Dequantize>
+// of x over it. `fill(n0, n_count, panel, table)` writes the panel of weight rows n0.. (n_count
+// of them, the rest zero) with the values of the dequant path's float weight; `table` is
+// `table_floats` 64-byte aligned floats of scratch.
+template <typename FillPanel>
 void quantized_through_panels(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
-                              int64_t group_size, float* out_ptr, Dequantize dequantize) {
+                              float* out_ptr, int64_t table_floats, FillPanel fill) {
   const int64_t num_panels = (out_features + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
-    std::vector<float> storage;
+    std::vector<float> storage, table_storage;
     float* panels = aligned_floats(storage, kPanelPair * in_features * kPanel);
+    float* table = aligned_floats(table_storage, table_floats);
     for (int64_t p = begin; p < end;) {
       const PanelRun run = panel_run(p, end, out_features, true);
-      for (int64_t slot = 0; slot < run.count; ++slot) {  // panel p + slot widened into its place
-        const int64_t n0 = (p + slot) * kPanel, n_count = std::min(kPanel, out_features - n0);
-        float* panel = panels + slot * in_features * kPanel;
-        for (int64_t half = 0; half < kPanel; half += kLanes)
-          for (int64_t k = 0; k < in_features; k += kLanes) {
-            const int64_t g = k / group_size;
-            __m256 r[kLanes];
-            for (int64_t j = 0; j < kLanes; ++j)
-              r[j] = half + j < n_count ? dequantize(n0 + half + j, k, g) : _mm256_setzero_ps();
-            transpose8x8(r);
-            for (int64_t i = 0; i < kLanes; ++i) _mm256_store_ps(panel + (k + i) * kPanel + half, r[i]);
-          }
+      for (int64_t slot = 0; slot < run.count; ++slot) {  // panel p + slot dequantized into its place
+        const int64_t n0 = (p + slot) * kPanel;
+        fill(n0, std::min(kPanel, out_features - n0), panels + slot * in_features * kPanel, table);
       }
       run_over_rows<float>(run, x_ptr, rows, in_features, panels, out_ptr + p * kPanel, out_features, false, nullptr);
       p += run.count;
     }
   });
+}
+
+// The AVX2 panel fill: `dequantize(n, k, g)` gives the dequantized weights k..k+7 of row n (group
+// g), eight rows of which an 8 x 8 transpose turns into panel order.
+template <typename Dequantize>
+auto fill_by_transposes(int64_t in_features, int64_t group_size, Dequantize dequantize) {
+  return [=](int64_t n0, int64_t n_count, float* panel, float*) {
+    for (int64_t half = 0; half < kPanel; half += kLanes)
+      for (int64_t k = 0; k < in_features; k += kLanes) {
+        const int64_t g = k / group_size;
+        __m256 r[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j)
+          r[j] = half + j < n_count ? dequantize(n0 + half + j, k, g) : _mm256_setzero_ps();
+        transpose8x8(r);
+        for (int64_t i = 0; i < kLanes; ++i) _mm256_store_ps(panel + (k + i) * kPanel + half, r[i]);
+      }
+  };
 }
 #endif
 
@@ -279,11 +304,21 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
   const int8_t* q = qweight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
 #ifdef HAVE_AVX2_FMA
-  if (x.size(0) > kInt8WidenFromRows)
-    return quantized_through_panels(x.data_ptr<float>(), x.size(0), in_features, out_features, in_features,
-                                    out.data_ptr<float>(), [&](int64_t n, int64_t k, int64_t) {
+  if (x.size(0) > (fills_by_bytes(in_features) ? kInt8ByteFillFromRows : kInt8WidenFromRows)) {
+#ifdef HAVE_AVX512_DEQUANTIZED_PANELS
+    static_assert(dequantized_panels_avx512::kRows == kPanel, "a fill is one panel");
+    if (fills_by_bytes(in_features))
+      return quantized_through_panels(x.data_ptr<float>(), x.size(0), in_features, out_features, out.data_ptr<float>(),
+                                      0, [&](int64_t n0, int64_t n_count, float* panel, float*) {
+                                        dequantized_panels_avx512::int8_panel(q + n0 * in_features, in_features,
+                                                                              s + n0, n_count, panel);
+                                      });
+#endif
+    return quantized_through_panels(x.data_ptr<float>(), x.size(0), in_features, out_features, out.data_ptr<float>(),
+                                    0, fill_by_transposes(in_features, in_features, [=](int64_t n, int64_t k, int64_t) {
                                       return _mm256_mul_ps(widen_int8(q + n * in_features + k), _mm256_set1_ps(s[n]));
-                                    });
+                                    }));
+  }
 #endif
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   if (in_features % weight_only_avx512::kStep == 0)
@@ -335,13 +370,23 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   const float* z = zeros.data_ptr<float>();
   auto row_of = [&](int64_t n) { return q + n * (in_features / 2); };
 #ifdef HAVE_AVX2_FMA
-  if (rows > kInt4WidenFromRows)
-    return quantized_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-                                    [&](int64_t n, int64_t k, int64_t g) {
+  if (rows > (fills_by_bytes(in_features) ? kInt4ByteFillFromRows : kInt4WidenFromRows)) {
+#ifdef HAVE_AVX512_DEQUANTIZED_PANELS
+    if (fills_by_bytes(in_features))
+      return quantized_through_panels(x_ptr, rows, in_features, out_features, out.data_ptr<float>(),
+                                      2 * num_groups * kPanel, [&](int64_t n0, int64_t n_count, float* panel, float* table) {
+                                        dequantized_panels_avx512::int4_panel(row_of(n0), in_features, s + n0 * num_groups,
+                                                                              z + n0 * num_groups, group_size, n_count,
+                                                                              table, panel);
+                                      });
+#endif
+    return quantized_through_panels(x_ptr, rows, in_features, out_features, out.data_ptr<float>(), 0,
+                                    fill_by_transposes(in_features, group_size, [=](int64_t n, int64_t k, int64_t g) {
                                       return _mm256_fmadd_ps(widen_int4(row_of(n) + k / 2),
                                                              _mm256_set1_ps(s[n * num_groups + g]),
                                                              _mm256_set1_ps(z[n * num_groups + g]));
-                                    });
+                                    }));
+  }
 #endif
   // sum(x_g) per row and group, for the zero-point term.
   std::vector<float> x_sums(rows * num_groups);

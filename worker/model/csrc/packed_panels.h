@@ -171,10 +171,11 @@ inline void panel_rows(const float* x, int64_t in_features, const W* panel, floa
   }
 }
 
-// `count` floats of `storage` (resized to hold them), 32-byte aligned for the panels' aligned loads.
+// `count` floats of `storage` (resized to hold them), 64-byte aligned for the panels' aligned
+// loads and stores (a 512-bit aligned store needs 64).
 inline float* aligned_floats(std::vector<float>& storage, int64_t count) {
-  storage.resize(count + 8);
-  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~uintptr_t{31});
+  storage.resize(count + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
 }
 
 // A bfloat16 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
