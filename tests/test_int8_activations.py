@@ -46,7 +46,7 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
     weight = torch.randn(37, in_features, generator=g)  # a ragged last tile of weight rows
     qw = quantize(weight, bits, group_size=group_size or 128)
     panels = to_panels(qw.qweight, bits, in_features, qw.group_size)
-    for rows in (1, 2, 3, 4, 7):
+    for rows in (1, 2, 3, 4, 7, 9):
         x = torch.randn(rows, in_features, generator=g)
         x[0, :32] = 0.0  # an all-zero block has scale 0
         out = torch.empty(rows, 37)
@@ -59,7 +59,9 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
         # And close to the weight-only product: the rounding of x is at most 1/254 of its block's range.
         exact = x.double() @ dequantize(qw).double().t()
         assert (out.double() - exact).norm() < 0.02 * exact.norm(), rows
-        # Whatever the tile a row lands in, its result is the one it gets alone, bit for bit.
+        # Whatever the tile a row lands in, its result is the one it gets alone, bit for bit (with
+        # AVX-512 one row takes the single-row kernel and more the output-major panels: the same
+        # arithmetic in the same order).
         alone = torch.empty(1, 37)
         for i in range(rows):
             if bits == 8:
@@ -83,6 +85,11 @@ def test_a_layer_holds_its_weight_once_as_panels_and_saves_it_row_major(bits, in
     model = torch.nn.Sequential(layer)
     assert use_int8_activations(model) == (1, 1)
     assert "qweight" not in layer._buffers and layer.kernel_weight().dim() == 3  # one copy: the panels
+    kernels = cpu_kernels.load()
+    if kernels.int8_activations_take_group_columns():
+        assert torch.equal(layer.kernel_scales(), kernels.int8_activation_group_columns(layer.scales, layer.zeros))
+    else:
+        assert layer.kernel_scales() is layer.scales
     assert torch.equal(layer.qweight, qw.qweight)  # read back row-major
     state = layer.state_dict()
     assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
@@ -94,6 +101,46 @@ def test_a_layer_holds_its_weight_once_as_panels_and_saves_it_row_major(bits, in
     shell = QuantizedLinear.empty(bits, qw.shape, qw.group_size)
     shell.load_state_dict(state)
     assert torch.equal(shell(x), before)
+
+
+@pytest.mark.parametrize("out_features, groups", [(37, 3), (8, 1), (16, 0)])
+def test_group_columns_put_each_8_rows_scales_then_zeros_side_by_side(out_features, groups):
+    """[ceil(N / 8), G, 2, 8]: run r, group g holds rows 8r..8r + 7's scales, then their zeros (0
+    for an INT8 weight's per-row scales), the rows past N repeating the last."""
+    kernels = cpu_kernels.load()
+    scales = torch.randn(out_features, groups) if groups else torch.randn(out_features)
+    zeros = torch.randn(out_features, groups) if groups else None
+    columns = kernels.int8_activation_group_columns(scales, zeros)
+    runs = -(-out_features // 8)
+    rows = torch.arange(runs * 8).clamp(max=out_features - 1)
+    as_groups = scales.view(out_features, -1)
+    want_scales = as_groups[rows].view(runs, 8, -1).transpose(1, 2)
+    want_zeros = (zeros[rows] if zeros is not None else torch.zeros(runs * 8, 1)).view(runs, 8, -1).transpose(1, 2)
+    assert columns.shape == (runs, as_groups.shape[1], 2, 8)
+    assert torch.equal(columns[:, :, 0], want_scales) and torch.equal(columns[:, :, 1], want_zeros)
+
+
+@pytest.mark.parametrize("bits, in_features, group_size", [(8, 256, 0), (4, 256, 128), (4, 96, 32)])
+def test_the_kernels_give_the_same_result_from_group_columns_or_row_major_scales(bits, in_features, group_size):
+    """Where the kernels take group columns (AVX-512), a caller that holds only row-major scales
+    gets them made for its call: the same result, bit for bit, at one row and at many."""
+    kernels = cpu_kernels.load()
+    if not kernels.int8_activations_take_group_columns():
+        pytest.skip("these kernels take row-major scales only")
+    g = torch.Generator().manual_seed(7)
+    qw = quantize(torch.randn(45, in_features, generator=g), bits, group_size=group_size or 128)
+    panels = to_panels(qw.qweight, bits, in_features, qw.group_size)
+    columns = kernels.int8_activation_group_columns(qw.scales, qw.zeros)
+    for rows in (1, 5):
+        x = torch.randn(rows, in_features, generator=g)
+        held, made = torch.empty(rows, 45), torch.empty(rows, 45)
+        if bits == 8:
+            kernels.linear_int8_weights_int8_activations(x, panels, columns, held)
+            kernels.linear_int8_weights_int8_activations(x, panels, qw.scales, made)
+        else:
+            kernels.linear_int4_weights_int8_activations(x, panels, columns, qw.zeros, qw.group_size, held)
+            kernels.linear_int4_weights_int8_activations(x, panels, qw.scales, qw.zeros, qw.group_size, made)
+        assert torch.equal(held, made), rows
 
 
 def test_layers_whose_shape_takes_no_int8_blocks_keep_float_activations():

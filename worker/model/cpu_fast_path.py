@@ -66,7 +66,7 @@ class ModuleLinear:
             return None
         if (m.small_path if rows <= SMALL_ROWS else m.path) != "ours" or m.bits not in (8, 4):
             return None
-        return [m.kernel_weight(), m.scales, m.zeros if m.bits == 4 else None, m.input_scale, m.bias]
+        return [m.kernel_weight(), m.kernel_scales(), m.zeros if m.bits == 4 else None, m.input_scale, m.bias]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is not None and isinstance(self.module, QuantizedLinear):

@@ -30,7 +30,7 @@ from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_pat
 
 INT4_GROUP_SIZE = 128
 # A layer's buffers that int8 activations hold in one arena with every other such layer's.
-ARENA_BUFFERS = ("qweight_panels", "scales", "zeros")
+ARENA_BUFFERS = ("qweight_panels", "scales", "zeros", "scale_columns")
 _EPS = 1e-8
 
 
@@ -183,13 +183,25 @@ class QuantizedLinear(nn.Module):
         panels = self._buffers.get("qweight_panels")
         return self.qweight if panels is None else panels
 
+    def kernel_scales(self) -> torch.Tensor:
+        """The scales as our kernels take them: where held, the int8-activation kernels' group
+        columns (the scales and zeros of each 8 rows side by side per group), else `scales`."""
+        columns = self._buffers.get("scale_columns")
+        return self.scales if columns is None else columns
+
     def hold_int8_activation_panels(self) -> None:
-        """Hold the weight as int8-activation panels and drop the row-major copy."""
+        """Hold the weight as int8-activation panels and drop the row-major copy; where those
+        kernels take them (AVX-512), also hold the scales' group columns (an eighth of the INT4
+        weight's bytes at groups of 128), which they read instead of gathering per group."""
         if "qweight_panels" in self._buffers:
             return
         panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
         del self._buffers["qweight"]
         self.register_buffer("qweight_panels", panels, persistent=False)
+        kernels = cpu_kernels.load()
+        if kernels is not None and kernels.int8_activations_take_group_columns():
+            self.register_buffer("scale_columns", kernels.int8_activation_group_columns(self.scales, self.zeros),
+                                 persistent=False)
 
     def _row_major_from_panels(self) -> torch.Tensor:
         return from_panels(self._buffers["qweight_panels"], self.bits, self.shape, self.group_size)
@@ -214,6 +226,7 @@ class QuantizedLinear(nn.Module):
         panels = self._buffers.pop("qweight_panels", None)
         if panels is None:
             return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._buffers.pop("scale_columns", None)  # made again from the loaded scales
         # Loaded row-major, as saved, then held as panels again.
         self.register_buffer("qweight", from_panels(panels, self.bits, self.shape, self.group_size))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -266,11 +279,11 @@ class QuantizedLinear(nn.Module):
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         if self.bits == 8 and self.int8_activations:
-            kernels.linear_int8_weights_int8_activations(x, self.kernel_weight(), self.scales, out)
+            kernels.linear_int8_weights_int8_activations(x, self.kernel_weight(), self.kernel_scales(), out)
         elif self.bits == 8:
             kernels.linear_small_batch_int8(x, self.qweight, self.scales, out)
         elif self.int8_activations:
-            kernels.linear_int4_weights_int8_activations(x, self.kernel_weight(), self.scales, self.zeros,
+            kernels.linear_int4_weights_int8_activations(x, self.kernel_weight(), self.kernel_scales(), self.zeros,
                                                          self.group_size, out)
         else:
             kernels.linear_small_batch_int4(x, self.qweight, self.scales, self.zeros, self.group_size, out)

@@ -23,6 +23,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
   m.def("int8_activations_supported", &int8_activations_supported,
         "whether a layer of this in_features and group size takes the int8-activation kernels");
+  m.def("int8_activations_take_group_columns", &int8_activations_take_group_columns,
+        "whether the int8-activation kernels take their scales as group columns (the AVX-512 kernels)");
+  m.def("int8_activation_group_columns", &int8_activation_group_columns, py::arg("scales"),
+        py::arg("zeros") = py::none(),
+        "scales [N] or [N, G] (and zeros) -> [ceil(N / 8), G, 2, 8]: per run of 8 rows and group, their scales then zeros");
   m.def("linear_int8_weights_int8_activations", &linear_int8_weights_int8_activations,
         "out = x @ dequant(int8 weight panels).T with x quantized per 32-block to int8, integer block dots");
   m.def("linear_int4_weights_int8_activations", &linear_int4_weights_int8_activations,

@@ -11,6 +11,7 @@ constexpr int64_t kBlock = 32;  // input features per activation scale
 constexpr int64_t kRows = 3;    // rows of x per register tile
 constexpr int64_t kCols = 4;    // weight rows per register tile
 constexpr int64_t kSlot = 2 * kBlock;  // input features per slot of the panels: two blocks
+constexpr int64_t kColumnRows = 8;     // weight rows per run of the scales' group columns
 
 // x [M, K] quantized: q in -127..127 per element, |q| for the int8 weights' sign trick, and one
 // scale per block of 32 (xs = max|x| / 127; x ~ q * xs).

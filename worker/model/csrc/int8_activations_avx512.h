@@ -1,11 +1,13 @@
-// The AVX-512 VNNI tiles of the int8-activation kernels (linear_int8_activations.cpp says what
-// they compute): one slot of two blocks of 32 per 512-bit register. Empty where the compiler
-// does not target AVX-512 F, BW, VL and VNNI.
+// The AVX-512 VNNI single-row kernel of the int8-activation linears (linear_int8_activations.cpp
+// says what they compute; calls of more rows take int8_activations_many_rows_avx512.h, in the
+// same arithmetic order) and x laid out in the weights' slots for both: one slot of two blocks
+// of 32 per 512-bit register. Empty where the compiler does not target AVX-512 F, BW, VL and VNNI.
 #pragma once
 
 #include "int8_activations.h"
-#include "output_tiles.h"
 #include "vector_math.h"
+
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -54,91 +56,96 @@ SlottedActivations slot_activations(const QuantizedActivations& a, const WeightP
   return s;
 }
 
-// R rows of x by C weight rows from column tile `tile` on (C up to two tiles' rows: row j is row
-// j % kCols of tile tile + j / kCols), every group of K: out before the int4 zero term, into
-// total[i * total_stride + j]. `ahead`: this thread's panels kPrefetchTiles later, prefetched a
-// unit at a time as these are read, so they stream in from memory during this compute.
-template <int64_t R, int64_t C, bool kInt8>
-inline void tile_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
-                        int64_t num_groups, int64_t m0, int64_t tile, bool ahead, float* total, int64_t total_stride) {
+// The 16 int32 block sums of 8 weight rows' accumulators against one slot of x (lanes 0-7 of
+// acc[j] the partial sums of the slot's first block, 8-15 of its second): an exact integer
+// transpose-and-add in 21 instructions, where 16 separate reductions would take about 100. Lanes
+// of the result: rows 0-3 block 0, rows 0-3 block 1, rows 4-7 block 0, rows 4-7 block 1.
+inline __m512i block_sums(const __m512i acc[8]) {
+  __m512i pairs[4], quads[2];
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: row 2k's two partials at 0 and 2, row 2k + 1's at 1 and 3
+    pairs[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * k], acc[2 * k + 1]),
+                                _mm512_unpackhi_epi32(acc[2 * k], acc[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)  // per 128-bit lane L: rows 4k..4k + 3, each the sum of its lanes 4L..4L + 3
+    quads[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * k], pairs[2 * k + 1]),
+                                _mm512_unpackhi_epi64(pairs[2 * k], pairs[2 * k + 1]));
+  // Block 0 is 128-bit lanes 0 and 1, block 1 lanes 2 and 3.
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// One row of x against weight rows n0..n0 + 7 (tiles `tile` and tile + 1; C = 4: the first only),
+// written to out[n0..n0 + n_count). The arithmetic of many_rows_avx512, in the same order (each
+// block's exact integer dot, converted and scaled by x's block scale into its group's sum, the
+// group's sum scaled by the weight's group scale, then the int4 zero-point term), so a row's
+// result does not depend on how many rows its call had. `ahead`: prefetch the panels
+// kPrefetchTiles tiles on, so they stream in from memory during this compute.
+// `columns`: the scales' group columns (int8_activation_group_columns), whose run tile / 2 is
+// these rows'.
+template <int C, bool kInt8>
+inline void one_row_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
+                           const float* x_sums, int64_t num_groups, int64_t tile, bool ahead, float* out,
+                           int64_t n_count) {
+  static_assert(C == 4 || C == 8, "one tile or two");
+  static_assert(2 * kCols == kColumnRows, "a run of the columns is two tiles");
   const int64_t n0 = tile * kCols;
-  __m512 sum[R][C], acc[R][C];
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) sum[i][j] = acc[i][j] = _mm512_setzero_ps();
-  int64_t group = 0, slots_left = panels.slots_per_group;  // the group being summed; its slots to go
-  // Adds slot `slot` of x against the weights' bytes w[j], and closes its group where it ends.
+  const float* run = columns + (tile / 2) * num_groups * 2 * kColumnRows;
+  __m256 total = _mm256_setzero_ps(), group_sum = _mm256_setzero_ps();
+  int64_t group = 0, slots_left = panels.slots_per_group;
+  auto unit = [&](int64_t first_tile, int64_t u, int64_t j) {
+    return reinterpret_cast<const char*>(panels.unit(first_tile + j / kCols, u, j % kCols));
+  };
   auto add_slot = [&](int64_t slot, const __m512i* w) {
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t at = (m0 + i) * panels.slots_per_row + slot;
-      const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
-      const __m512 scales = _mm512_loadu_ps(a.lane_scales.data() + at * 16);
-      const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + at * 16) : _mm512_setzero_si512();
-      for (int64_t j = 0; j < C; ++j)
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[j], x)), scales, acc[i][j]);
-    }
+    const __m512i x = _mm512_loadu_si512(a.bytes.data() + slot * kSlot);
+    const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + slot * 16) : _mm512_setzero_si512();
+    __m512i acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = j < C ? _mm512_dpbusd_epi32(start, w[j], x) : _mm512_setzero_si512();
+    const __m512 sums = _mm512_cvtepi32_ps(block_sums(acc));
+    const __m256 low = _mm512_castps512_ps256(sums);
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
+    group_sum = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_set1_ps(a.lane_scales[slot * 16]),
+                                group_sum);
+    group_sum = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x31), _mm256_set1_ps(a.lane_scales[slot * 16 + 8]),
+                                group_sum);
     if (--slots_left == 0) {
-      for (int64_t j = 0; j < C; ++j) {
-        const __m512 scale = _mm512_set1_ps(weight_scales[(n0 + j) * num_groups + group]);
-        for (int64_t i = 0; i < R; ++i) {
-          sum[i][j] = _mm512_fmadd_ps(acc[i][j], scale, sum[i][j]);
-          acc[i][j] = _mm512_setzero_ps();
-        }
-      }
+      total = _mm256_fmadd_ps(group_sum, _mm256_loadu_ps(run + group * 2 * kColumnRows), total);
+      if constexpr (!kInt8)
+        total = _mm256_fmadd_ps(_mm256_loadu_ps(run + group * 2 * kColumnRows + kColumnRows),
+                                _mm256_set1_ps(x_sums[group]), total);
+      group_sum = _mm256_setzero_ps();
       ++group;
       slots_left = panels.slots_per_group;
     }
   };
-  auto unit = [&](int64_t first_tile, int64_t u, int64_t j) {
-    return reinterpret_cast<const char*>(panels.unit(first_tile + j / kCols, u, j % kCols));
-  };
   for (int64_t u = 0; u < panels.units_per_row; ++u) {
-    if (ahead) {
+    if (ahead)
       for (int64_t j = 0; j < C; ++j) _mm_prefetch(unit(tile + kPrefetchTiles, u, j), _MM_HINT_T0);
-    }
-    __m512i w[C];
+    __m512i w[8];
     if constexpr (kInt8) {
       for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(unit(tile, u, j));
       add_slot(u, w);
     } else {
-      // Each slot loads the unit again (from L1) rather than keep it: with 3 rows of x, 4 more
-      // registers held across both slots would spill the accumulators.
-      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)),
-                                                              _mm512_set1_epi8(0x0F));
+      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)), _mm512_set1_epi8(0x0F));
       add_slot(2 * u, w);
       if (2 * u + 1 < panels.slots_per_row) {
         // 16 x the high nibbles (at most 240 x 127 x 4 per lane): no shift; the slot's scales hold the 1/16.
-        for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)),
-                                                                _mm512_set1_epi8(static_cast<char>(0xF0)));
+        for (int64_t j = 0; j < C; ++j)
+          w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)), _mm512_set1_epi8(static_cast<char>(0xF0)));
         add_slot(2 * u + 1, w);
       }
     }
   }
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) total[i * total_stride + j] = _mm512_reduce_add_ps(sum[i][j]);
+  alignas(32) float values[8];
+  _mm256_store_ps(values, total);
+  for (int64_t j = 0; j < std::min<int64_t>(n_count, C); ++j) out[n0 + j] = values[j];
 }
 
-// total: R rows of kCols.
-template <int64_t R, bool kInt8>
-inline void tile_avx512_columns(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
-                                int64_t num_groups, int64_t m0, int64_t tile, int64_t n_count, bool ahead,
-                                float* t) {
-  static_assert(kCols == 4, "one case per column count below");
-  switch (n_count) {
-    case 4: return tile_avx512<R, 4, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
-    case 3: return tile_avx512<R, 3, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
-    case 2: return tile_avx512<R, 2, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
-    default: return tile_avx512<R, 1, kInt8>(a, panels, weight_scales, num_groups, m0, tile, ahead, t, kCols);
-  }
-}
-
-// One row of x (a single stream's decode step): two column tiles at a time, so each slot of x and
-// its scales are loaded once for 8 weight rows and 8 row streams are in flight from memory, where
-// one tile's 4 rows of INT4 at K = 2048 are a single 4 KiB page. A thread's odd last tile, and the
-// last partial one, go alone.
-template <bool kInt8, typename FinishZero>
-void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* weight_scales,
-                          int64_t out_features, int64_t num_groups, float* out, FinishZero& finish_zero) {
-  constexpr int64_t kPair = 2 * kCols;
+// One row of x (a single stream's decode step): two tiles at a time, so each slot of x and its
+// scales are loaded once for 8 weight rows and 8 row streams are in flight from memory, where one
+// tile's 4 rows of INT4 at K = 2048 are a single 4 KiB page. A thread's odd last tile goes alone.
+// `zeros` and `x_sums` ([num_groups]) are null for int8 weights.
+template <bool kInt8>
+void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
+                          const float* x_sums, int64_t out_features, int64_t num_groups, float* out) {
   const int64_t num_tiles = (out_features + kCols - 1) / kCols;
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(8, (num_tiles / (8 * threads)) & ~int64_t(1));
@@ -146,50 +153,13 @@ void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panel
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min(threads, num_chunks)))
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t begin = c * chunk, end = std::min(num_tiles, begin + chunk);
-    int64_t tile = begin;
-    for (; tile + 1 < end && (tile + 2) * kCols <= out_features; tile += 2) {
-      float total[kPair];
-      tile_avx512<1, kPair, kInt8>(a, panels, weight_scales, num_groups, 0, tile, tile + kPrefetchTiles + 1 < end,
-                                   total, kPair);
-      for (int64_t j = 0; j < kPair; ++j) out[tile * kCols + j] = total[j] + finish_zero(0, tile * kCols + j);
-    }
-    for (; tile < end; ++tile) {
-      const int64_t n0 = tile * kCols, n_count = std::min(kCols, out_features - n0);
-      float total[kRows][kCols] = {};
-      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, 0, tile, n_count, false, &total[0][0]);
-      for (int64_t j = 0; j < n_count; ++j) out[n0 + j] = total[0][j] + finish_zero(0, n0 + j);
-    }
+    int64_t tile = begin;  // even: chunks are
+    for (; tile + 1 < end; tile += 2)
+      one_row_avx512<8, kInt8>(a, panels, columns, x_sums, num_groups, tile, tile + kPrefetchTiles + 1 < end, out,
+                               out_features - tile * kCols);
+    if (tile < end)
+      one_row_avx512<4, kInt8>(a, panels, columns, x_sums, num_groups, tile, false, out, out_features - tile * kCols);
   }
-}
-
-// `finish_zero(m, n)`: the int4 zero-point term (0 for int8).
-template <bool kInt8, typename FinishZero>
-void int8_activation_tiles_avx512(const QuantizedActivations& q, const WeightPanels& panels, const float* weight_scales,
-                                  int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
-                                  float* out_ptr, FinishZero finish_zero) {
-  const SlottedActivations a = slot_activations(q, panels, rows, in_features, group_size, kInt8);
-  const int64_t num_groups = in_features / group_size;
-  if (rows == 1) return one_row_tiles_avx512<kInt8>(a, panels, weight_scales, out_features, num_groups, out_ptr,
-                                                    finish_zero);
-  // INT4 tiles take 2 rows of x, not 3: a group's scale is applied as the group closes, so each
-  // (row, weight row) holds two accumulators, and 3 x 4 of them with the weights spill registers.
-  constexpr int64_t kTileRows = kInt8 ? kRows : 2;
-  for_each_output_tile<kTileRows, kCols>(rows, out_features, out_ptr, [&](int64_t column_tile, int64_t end, int64_t m0,
-                                                                         int64_t m_count, int64_t, int64_t n_count,
-                                                                         float total[kTileRows][kCols]) {
-    // Prefetched once, by the first row tile: later ones find the panel in cache.
-    const bool ahead = m0 == 0 && column_tile + kPrefetchTiles < end;
-    static_assert(kTileRows <= 3, "one case per row count below");
-    float* t = &total[0][0];
-    if (m_count == kTileRows)
-      tile_avx512_columns<kTileRows, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
-    else if (m_count == 2)
-      tile_avx512_columns<2, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
-    else
-      tile_avx512_columns<1, kInt8>(a, panels, weight_scales, num_groups, m0, column_tile, n_count, ahead, t);
-    for (int64_t i = 0; i < m_count; ++i)
-      for (int64_t j = 0; j < n_count; ++j) total[i][j] += finish_zero(m0 + i, column_tile * kCols + j);
-  });
 }
 #endif
 

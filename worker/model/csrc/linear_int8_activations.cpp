@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "int8_activations.h"
 #include "int8_activations_avx512.h"
+#include "int8_activations_many_rows_avx512.h"
 #include "output_tiles.h"
 #include "vector_math.h"
 
@@ -232,28 +233,89 @@ bool int8_activations_supported(int64_t in_features, int64_t group_size) {
   return in_features % kBlock == 0 && group_size % kBlock == 0;
 }
 
-// x [M, K] float32, the int8 weight in -127..127 as panels, scales [N] float32 -> out [M, N].
+bool int8_activations_take_group_columns() {
+#ifdef HAVE_AVX512_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// scales [N] (int8) or [N, G] and zeros [N, G] or none -> [ceil(N / 8), G, 2, 8]: for each run of
+// 8 weight rows and each group, the rows' 8 scales then their 8 zeros (0 for int8) side by side,
+// the rows past N repeating the last. What the AVX-512 kernels read: one aligned load per group
+// for 8 outputs, where the row-major values would take a gather.
+at::Tensor int8_activation_group_columns(at::Tensor scales, std::optional<at::Tensor> zeros) {
+  TORCH_CHECK(scales.dtype() == at::kFloat && (scales.dim() == 1 || scales.dim() == 2), "scales: float32 [N] or [N, G]");
+  scales = scales.contiguous();
+  const int64_t out_features = scales.size(0), num_groups = scales.dim() == 2 ? scales.size(1) : 1;
+  at::Tensor z;
+  if (zeros) {
+    z = zeros->contiguous();
+    TORCH_CHECK(z.dtype() == at::kFloat && z.numel() == scales.numel(), "zeros: float32, shaped as scales");
+  }
+  at::Tensor columns = at::empty({(out_features + kColumnRows - 1) / kColumnRows, num_groups, 2, kColumnRows},
+                                 scales.options());
+  const float* s = scales.data_ptr<float>();
+  const float* zp = z.defined() ? z.data_ptr<float>() : nullptr;
+  float* c = columns.data_ptr<float>();
+  for (int64_t pair = 0; pair < columns.size(0); ++pair)
+    for (int64_t g = 0; g < num_groups; ++g)
+      for (int64_t j = 0; j < kColumnRows; ++j) {
+        const int64_t n = std::min(pair * kColumnRows + j, out_features - 1);
+        float* at = c + (pair * num_groups + g) * 2 * kColumnRows + j;
+        at[0] = s[n * num_groups + g];
+        at[kColumnRows] = zp ? zp[n * num_groups + g] : 0.f;
+      }
+  return columns;
+}
+
+namespace {
+// The group columns of a call's scales: `scales` itself where the caller holds them so (4-D),
+// else made for this call (`storage`).
+const float* group_columns_of(const at::Tensor& scales, const at::Tensor* zeros, int64_t out_features,
+                              int64_t num_groups, at::Tensor& storage) {
+  if (scales.dim() == 4) {
+    TORCH_CHECK(scales.size(0) == (out_features + kColumnRows - 1) / kColumnRows && scales.size(1) == num_groups &&
+                scales.size(2) == 2 && scales.size(3) == kColumnRows,
+                "group columns: [ceil(N / 8), groups, 2, 8] (int8_activation_group_columns)");
+    return scales.data_ptr<float>();
+  }
+  storage = int8_activation_group_columns(scales, zeros ? std::optional<at::Tensor>(*zeros) : std::nullopt);
+  return storage.data_ptr<float>();
+}
+}  // namespace
+
+// x [M, K] float32, the int8 weight in -127..127 as panels, scales [N] float32 (or their group
+// columns, with the AVX-512 kernels) -> out [M, N].
 void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor out) {
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = scales.size(0);
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   check_args(x, scales, out, out_features);
   const WeightPanels weights = panels_of(panels, true, out_features, in_features, in_features);
-  const float* s = scales.data_ptr<float>();
 #ifdef HAVE_AVX512_VNNI
+  at::Tensor storage;
+  const float* columns = group_columns_of(scales, nullptr, out_features, 1, storage);
   const QuantizedActivations q = quantize_activations(x.data_ptr<float>(), rows, in_features, false);
-  int8_activation_tiles_avx512<true>(q, weights, s, rows, in_features, out_features, in_features, out.data_ptr<float>(),
-                                     [](int64_t, int64_t) { return 0.f; });
+  if (rows > 1)
+    return many_rows_avx512<true>(q, weights, columns, nullptr, rows, in_features, out_features, in_features,
+                                  out.data_ptr<float>());
+  const SlottedActivations slotted = slot_activations(q, weights, rows, in_features, in_features, true);
+  one_row_tiles_avx512<true>(slotted, weights, columns, nullptr, out_features, 1, out.data_ptr<float>());
   return;
 #endif
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features, "scales: [N]");
+  const float* s = scales.data_ptr<float>();
   const QuantizedActivations a = quantize_activations(x.data_ptr<float>(), rows, in_features, true);
   int8_activation_tiles<true>(a, weights, rows, in_features, out_features, in_features, out.data_ptr<float>(),
                               [&](int64_t, int64_t n, int64_t, float dot) { return s[n] * dot; });
 }
 
-// x [M, K] float32, the int4 weight (nibbles) as panels, scales and zeros [N, K/G] float32, G a
+// x [M, K] float32, the int4 weight (nibbles) as panels, scales and zeros [N, K/G] float32 (or,
+// with the AVX-512 kernels, the scales' and zeros' group columns in place of the scales), G a
 // multiple of 32 -> out [M, N].
 void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor zeros,
                                           int64_t group_size, at::Tensor out) {
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = scales.size(0);
+  const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   TORCH_CHECK(group_size % kBlock == 0 && in_features % group_size == 0,
               "the group size must be a multiple of 32 that tiles K for int8 activations");
   TORCH_CHECK(zeros.dtype() == at::kFloat && zeros.is_contiguous(), "zeros: contiguous float32");
@@ -261,7 +323,8 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
   const WeightPanels weights = panels_of(panels, false, out_features, in_features, group_size);
   const float* x_ptr = x.data_ptr<float>();
   const int64_t num_groups = in_features / group_size;
-  TORCH_CHECK(scales.dim() == 2 && scales.size(1) == num_groups && zeros.sizes() == scales.sizes(),
+  TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == out_features && zeros.size(1) == num_groups &&
+              (scales.dim() == 4 || zeros.sizes() == scales.sizes()),
               "scales and zeros: [N, K / group_size]");
   const QuantizedActivations a = quantize_activations(x_ptr, rows, in_features, false);
   // sum(x_g) of the rounded x, for the zero-point term: the result is then the rounded x against
@@ -274,21 +337,19 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
       for (int64_t l = 0; l < kBlock; ++l) sum += a.q[m * in_features + b * kBlock + l];
       x_sums[m * num_groups + b * kBlock / group_size] += static_cast<float>(sum) * a.scales[m * a.blocks_per_row + b];
     }
-  const float* s = scales.data_ptr<float>();
-  const float* z = zeros.data_ptr<float>();
 #ifdef HAVE_AVX512_VNNI
-  int8_activation_tiles_avx512<false>(a, weights, s, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-                                      [&](int64_t m, int64_t n) {
-                                        // A plain loop: a few groups per output, where a vector
-                                        // reduction's set-up would cost more than the products.
-                                        const float* zn = z + n * num_groups;
-                                        const float* xm = x_sums.data() + m * num_groups;
-                                        float term = 0.f;
-                                        for (int64_t g = 0; g < num_groups; ++g) term += zn[g] * xm[g];
-                                        return term;
-                                      });
+  at::Tensor storage;
+  const float* columns = group_columns_of(scales, &zeros, out_features, num_groups, storage);
+  if (rows > 1)
+    return many_rows_avx512<false>(a, weights, columns, x_sums.data(), rows, in_features, out_features, group_size,
+                                   out.data_ptr<float>());
+  const SlottedActivations slotted = slot_activations(a, weights, rows, in_features, group_size, false);
+  one_row_tiles_avx512<false>(slotted, weights, columns, x_sums.data(), out_features, num_groups, out.data_ptr<float>());
   return;
 #endif
+  TORCH_CHECK(scales.dim() == 2, "scales: [N, K / group_size]");
+  const float* s = scales.data_ptr<float>();
+  const float* z = zeros.data_ptr<float>();
   int8_activation_tiles<false>(a, weights, rows, in_features, out_features, group_size, out.data_ptr<float>(),
                                [&](int64_t m, int64_t n, int64_t g, float dot) {
                                  return s[n * num_groups + g] * dot + z[n * num_groups + g] * x_sums[m * num_groups + g];
