@@ -336,8 +336,13 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
     for layer in switched:
         layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
         layer.hold_int8_activation_panels()
-    # What each decode step reads, in one allocation (weight_arena.py: all on huge pages).
-    held = [(layer, name) for layer in switched for name in ARENA_BUFFERS if layer._buffers.get(name) is not None]
+    # What each decode step reads, in one allocation (weight_arena.py: all on huge pages): the
+    # panels, and the group columns where held, else the scales and zeros.
+    def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:
+        return ("qweight_panels", "scale_columns") if "scale_columns" in layer._buffers else (
+            "qweight_panels", "scales", "zeros")
+    held = [(layer, name) for layer in switched for name in read_per_step(layer)
+            if layer._buffers.get(name) is not None]
     for (layer, name), view in zip(held, weight_arena.gather([layer._buffers[name] for layer, name in held])):
         layer._buffers[name] = view
     return len(switched), len(layers)
