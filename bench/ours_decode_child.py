@@ -26,9 +26,14 @@ from bench.json_child import json_child_main  # noqa: E402
 def weight_bytes_per_token(model) -> int:
     """Bytes of every tensor a decode step reads in full: the decoder layers' and the head's weights
     as held (packed panels, quantized weights with their scales), not the embedding table, of
-    which a step gathers one row."""
+    which a step gathers one row, nor the row-major scales and zeros of a layer whose kernels read
+    its group columns instead."""
     seen, total = set(), 0
     embedding = model.embed_tokens.weight.untyped_storage().data_ptr()
+    for module in model.modules():
+        if "scale_columns" in getattr(module, "_buffers", {}):
+            seen.update(module._buffers[name].untyped_storage().data_ptr() for name in ("scales", "zeros")
+                        if module._buffers.get(name) is not None)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         key = t.untyped_storage().data_ptr()
         if name.startswith("rotary.") or key == embedding or key in seen:
