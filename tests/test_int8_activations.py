@@ -60,7 +60,7 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
         exact = x.double() @ dequantize(qw).double().t()
         assert (out.double() - exact).norm() < 0.02 * exact.norm(), rows
         # Whatever the tile a row lands in, its result is the one it gets alone, bit for bit (with
-        # AVX-512 one row takes the single-row kernel and more the output-major panels: the same
+        # AVX-512 up to 3 rows take the few-row kernel and more the output-major panels: the same
         # arithmetic in the same order).
         alone = torch.empty(1, 37)
         for i in range(rows):
@@ -131,7 +131,7 @@ def test_the_kernels_give_the_same_result_from_group_columns_or_row_major_scales
     qw = quantize(torch.randn(45, in_features, generator=g), bits, group_size=group_size or 128)
     panels = to_panels(qw.qweight, bits, in_features, qw.group_size)
     columns = kernels.int8_activation_group_columns(qw.scales, qw.zeros)
-    for rows in (1, 5):
+    for rows in (1, 2, 5):
         x = torch.randn(rows, in_features, generator=g)
         held, made = torch.empty(rows, 45), torch.empty(rows, 45)
         if bits == 8:

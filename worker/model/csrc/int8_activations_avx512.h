@@ -73,45 +73,52 @@ inline __m512i block_sums(const __m512i acc[8]) {
                           _mm512_shuffle_i32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One row of x against weight rows n0..n0 + 7 (tiles `tile` and tile + 1; C = 4: the first only),
-// written to out[n0..n0 + n_count). The arithmetic of many_rows_avx512, in the same order (each
-// block's exact integer dot, converted and scaled by x's block scale into its group's sum, the
-// group's sum scaled by the weight's group scale, then the int4 zero-point term), so a row's
-// result does not depend on how many rows its call had. `ahead`: prefetch the panels
-// kPrefetchTiles tiles on, so they stream in from memory during this compute.
-// `columns`: the scales' group columns (int8_activation_group_columns), whose run tile / 2 is
-// these rows'.
-template <int C, bool kInt8>
-inline void one_row_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
-                           const float* x_sums, int64_t num_groups, int64_t tile, bool ahead, float* out,
-                           int64_t n_count) {
+// R rows of x (1-3) against weight rows n0..n0 + 7 (tiles `tile` and tile + 1; C = 4: the first
+// only), written to out[i * out_features + n0..n0 + n_count). The arithmetic of many_rows_avx512,
+// in the same order (each block's exact integer dot, converted and scaled by x's block scale
+// into its group's sum, the group's sum scaled by the weight's group scale, then the int4
+// zero-point term), so a row's result does not depend on how many rows its call had; the
+// weights are read once for the R rows. `columns`: the scales' group columns
+// (int8_activation_group_columns), whose run tile / 2 is these rows'. `ahead`: prefetch the
+// panels kPrefetchTiles tiles on, so they stream in from memory during this compute.
+template <int R, int C, bool kInt8>
+inline void few_rows_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
+                            const float* x_sums, int64_t num_groups, int64_t tile, bool ahead, float* out,
+                            int64_t out_features, int64_t n_count) {
   static_assert(C == 4 || C == 8, "one tile or two");
   static_assert(2 * kCols == kColumnRows, "a run of the columns is two tiles");
   const int64_t n0 = tile * kCols;
   const float* run = columns + (tile / 2) * num_groups * 2 * kColumnRows;
-  __m256 total = _mm256_setzero_ps(), group_sum = _mm256_setzero_ps();
+  __m256 total[R], group_sum[R];
+  for (int i = 0; i < R; ++i) total[i] = group_sum[i] = _mm256_setzero_ps();
   int64_t group = 0, slots_left = panels.slots_per_group;
   auto unit = [&](int64_t first_tile, int64_t u, int64_t j) {
     return reinterpret_cast<const char*>(panels.unit(first_tile + j / kCols, u, j % kCols));
   };
   auto add_slot = [&](int64_t slot, const __m512i* w) {
-    const __m512i x = _mm512_loadu_si512(a.bytes.data() + slot * kSlot);
-    const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + slot * 16) : _mm512_setzero_si512();
-    __m512i acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = j < C ? _mm512_dpbusd_epi32(start, w[j], x) : _mm512_setzero_si512();
-    const __m512 sums = _mm512_cvtepi32_ps(block_sums(acc));
-    const __m256 low = _mm512_castps512_ps256(sums);
-    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
-    group_sum = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_set1_ps(a.lane_scales[slot * 16]),
-                                group_sum);
-    group_sum = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x31), _mm256_set1_ps(a.lane_scales[slot * 16 + 8]),
-                                group_sum);
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = i * panels.slots_per_row + slot;  // row i's slot
+      const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
+      const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + at * 16) : _mm512_setzero_si512();
+      __m512i acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = j < C ? _mm512_dpbusd_epi32(start, w[j], x) : _mm512_setzero_si512();
+      const __m512 sums = _mm512_cvtepi32_ps(block_sums(acc));
+      const __m256 low = _mm512_castps512_ps256(sums);
+      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
+      group_sum[i] = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                                     _mm256_set1_ps(a.lane_scales[at * 16]), group_sum[i]);
+      group_sum[i] = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x31),
+                                     _mm256_set1_ps(a.lane_scales[at * 16 + 8]), group_sum[i]);
+    }
     if (--slots_left == 0) {
-      total = _mm256_fmadd_ps(group_sum, _mm256_loadu_ps(run + group * 2 * kColumnRows), total);
-      if constexpr (!kInt8)
-        total = _mm256_fmadd_ps(_mm256_loadu_ps(run + group * 2 * kColumnRows + kColumnRows),
-                                _mm256_set1_ps(x_sums[group]), total);
-      group_sum = _mm256_setzero_ps();
+      const __m256 scale = _mm256_loadu_ps(run + group * 2 * kColumnRows);
+      for (int i = 0; i < R; ++i) {
+        total[i] = _mm256_fmadd_ps(group_sum[i], scale, total[i]);
+        if constexpr (!kInt8)
+          total[i] = _mm256_fmadd_ps(_mm256_loadu_ps(run + group * 2 * kColumnRows + kColumnRows),
+                                     _mm256_set1_ps(x_sums[i * num_groups + group]), total[i]);
+        group_sum[i] = _mm256_setzero_ps();
+      }
       ++group;
       slots_left = panels.slots_per_group;
     }
@@ -134,18 +141,25 @@ inline void one_row_avx512(const SlottedActivations& a, const WeightPanels& pane
       }
     }
   }
-  alignas(32) float values[8];
-  _mm256_store_ps(values, total);
-  for (int64_t j = 0; j < std::min<int64_t>(n_count, C); ++j) out[n0 + j] = values[j];
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float values[8];
+    _mm256_store_ps(values, total[i]);
+    for (int64_t j = 0; j < std::min<int64_t>(n_count, C); ++j) out[i * out_features + n0 + j] = values[j];
+  }
 }
 
-// One row of x (a single stream's decode step): two tiles at a time, so each slot of x and its
-// scales are loaded once for 8 weight rows and 8 row streams are in flight from memory, where one
-// tile's 4 rows of INT4 at K = 2048 are a single 4 KiB page. A thread's odd last tile goes alone.
-// `zeros` and `x_sums` ([num_groups]) are null for int8 weights.
-template <bool kInt8>
-void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
-                          const float* x_sums, int64_t out_features, int64_t num_groups, float* out) {
+// Calls of at most this many rows take few_rows_avx512 (the weights read once for all rows, in
+// their stored layout); more take many_rows_avx512, whose per-call panel layout then pays.
+constexpr int64_t kFewRows = 3;
+
+// R rows of x (a single stream's decode step, or a few): two tiles at a time, so each slot of x
+// and its scales are loaded once for 8 weight rows and 8 row streams are in flight from memory,
+// where one tile's 4 rows of INT4 at K = 2048 are a single 4 KiB page. Tiles go to the threads in
+// chunks, so a thread a neighbour process slows does fewer of them; a thread's odd last tile goes
+// alone. `x_sums` ([R, num_groups]) is null for int8 weights.
+template <int R, bool kInt8>
+void few_rows_tiles_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
+                           const float* x_sums, int64_t out_features, int64_t num_groups, float* out) {
   const int64_t num_tiles = (out_features + kCols - 1) / kCols;
   const int64_t threads = at::get_num_threads();
   const int64_t chunk = std::max<int64_t>(8, (num_tiles / (8 * threads)) & ~int64_t(1));
@@ -155,11 +169,21 @@ void one_row_tiles_avx512(const SlottedActivations& a, const WeightPanels& panel
     const int64_t begin = c * chunk, end = std::min(num_tiles, begin + chunk);
     int64_t tile = begin;  // even: chunks are
     for (; tile + 1 < end; tile += 2)
-      one_row_avx512<8, kInt8>(a, panels, columns, x_sums, num_groups, tile, tile + kPrefetchTiles + 1 < end, out,
-                               out_features - tile * kCols);
+      few_rows_avx512<R, 8, kInt8>(a, panels, columns, x_sums, num_groups, tile, tile + kPrefetchTiles + 1 < end, out,
+                                   out_features, out_features - tile * kCols);
     if (tile < end)
-      one_row_avx512<4, kInt8>(a, panels, columns, x_sums, num_groups, tile, false, out, out_features - tile * kCols);
+      few_rows_avx512<R, 4, kInt8>(a, panels, columns, x_sums, num_groups, tile, false, out, out_features,
+                                   out_features - tile * kCols);
   }
+}
+
+template <bool kInt8>
+void few_rows_avx512_call(int64_t rows, const SlottedActivations& a, const WeightPanels& panels, const float* columns,
+                          const float* x_sums, int64_t out_features, int64_t num_groups, float* out) {
+  static_assert(kFewRows == 3, "one case per row count below");
+  if (rows == 1) return few_rows_tiles_avx512<1, kInt8>(a, panels, columns, x_sums, out_features, num_groups, out);
+  if (rows == 2) return few_rows_tiles_avx512<2, kInt8>(a, panels, columns, x_sums, out_features, num_groups, out);
+  few_rows_tiles_avx512<3, kInt8>(a, panels, columns, x_sums, out_features, num_groups, out);
 }
 #endif
 

@@ -296,11 +296,11 @@ void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
   at::Tensor storage;
   const float* columns = group_columns_of(scales, nullptr, out_features, 1, storage);
   const QuantizedActivations q = quantize_activations(x.data_ptr<float>(), rows, in_features, false);
-  if (rows > 1)
+  if (rows > kFewRows)
     return many_rows_avx512<true>(q, weights, columns, nullptr, rows, in_features, out_features, in_features,
                                   out.data_ptr<float>());
   const SlottedActivations slotted = slot_activations(q, weights, rows, in_features, in_features, true);
-  one_row_tiles_avx512<true>(slotted, weights, columns, nullptr, out_features, 1, out.data_ptr<float>());
+  few_rows_avx512_call<true>(rows, slotted, weights, columns, nullptr, out_features, 1, out.data_ptr<float>());
   return;
 #endif
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features, "scales: [N]");
@@ -340,11 +340,12 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
 #ifdef HAVE_AVX512_VNNI
   at::Tensor storage;
   const float* columns = group_columns_of(scales, &zeros, out_features, num_groups, storage);
-  if (rows > 1)
+  if (rows > kFewRows)
     return many_rows_avx512<false>(a, weights, columns, x_sums.data(), rows, in_features, out_features, group_size,
                                    out.data_ptr<float>());
   const SlottedActivations slotted = slot_activations(a, weights, rows, in_features, group_size, false);
-  one_row_tiles_avx512<false>(slotted, weights, columns, x_sums.data(), out_features, num_groups, out.data_ptr<float>());
+  few_rows_avx512_call<false>(rows, slotted, weights, columns, x_sums.data(), out_features, num_groups,
+                              out.data_ptr<float>());
   return;
 #endif
   TORCH_CHECK(scales.dim() == 2, "scales: [N, K / group_size]");
