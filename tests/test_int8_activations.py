@@ -143,6 +143,21 @@ def test_the_kernels_give_the_same_result_from_group_columns_or_row_major_scales
         assert torch.equal(held, made), rows
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_kernels_take_no_rows_and_refuse_scales_of_another_shape(bits):
+    kernels = cpu_kernels.load()
+    qw = quantize(torch.randn(32, 64), bits, group_size=32)
+    panels = to_panels(qw.qweight, bits, 64, qw.group_size)
+    def run(x, scales, out):
+        if bits == 8:
+            kernels.linear_int8_weights_int8_activations(x, panels, scales, out)
+        else:
+            kernels.linear_int4_weights_int8_activations(x, panels, scales, qw.zeros, qw.group_size, out)
+    run(torch.empty(0, 64), qw.scales, torch.empty(0, 32))  # nothing to compute, nothing touched
+    with pytest.raises(RuntimeError, match="scales"):
+        run(torch.randn(1, 64), qw.scales[:8], torch.empty(1, 32))
+
+
 def test_layers_whose_shape_takes_no_int8_blocks_keep_float_activations():
     kernels = cpu_kernels.load()
     assert kernels.int8_activations_supported(96, 96) and not kernels.int8_activations_supported(72, 72)

@@ -270,9 +270,10 @@ at::Tensor int8_activation_group_columns(at::Tensor scales, std::optional<at::Te
   return columns;
 }
 
+#ifdef HAVE_AVX512_VNNI
 namespace {
 // The group columns of a call's scales: `scales` itself where the caller holds them so (4-D),
-// else made for this call (`storage`).
+// else made for this call (`storage`) from scales [N] (num_groups 1) or [N, num_groups].
 const float* group_columns_of(const at::Tensor& scales, const at::Tensor* zeros, int64_t out_features,
                               int64_t num_groups, at::Tensor& storage) {
   if (scales.dim() == 4) {
@@ -281,10 +282,14 @@ const float* group_columns_of(const at::Tensor& scales, const at::Tensor* zeros,
                 "group columns: [ceil(N / 8), groups, 2, 8] (int8_activation_group_columns)");
     return scales.data_ptr<float>();
   }
+  TORCH_CHECK(scales.size(0) == out_features &&
+              (scales.dim() == 1 ? num_groups == 1 : scales.dim() == 2 && scales.size(1) == num_groups),
+              "scales: [N] for int8 weights, [N, K / group_size] for int4");
   storage = int8_activation_group_columns(scales, zeros ? std::optional<at::Tensor>(*zeros) : std::nullopt);
   return storage.data_ptr<float>();
 }
 }  // namespace
+#endif
 
 // x [M, K] float32, the int8 weight in -127..127 as panels, scales [N] float32 (or their group
 // columns, with the AVX-512 kernels) -> out [M, N].
@@ -292,6 +297,7 @@ void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
   const int64_t rows = x.size(0), in_features = x.size(1), out_features = out.size(1);
   check_args(x, scales, out, out_features);
   const WeightPanels weights = panels_of(panels, true, out_features, in_features, in_features);
+  if (rows == 0) return;
 #ifdef HAVE_AVX512_VNNI
   at::Tensor storage;
   const float* columns = group_columns_of(scales, nullptr, out_features, 1, storage);
@@ -326,6 +332,7 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
   TORCH_CHECK(zeros.dim() == 2 && zeros.size(0) == out_features && zeros.size(1) == num_groups &&
               (scales.dim() == 4 || zeros.sizes() == scales.sizes()),
               "scales and zeros: [N, K / group_size]");
+  if (rows == 0) return;
   const QuantizedActivations a = quantize_activations(x_ptr, rows, in_features, false);
   // sum(x_g) of the rounded x, for the zero-point term: the result is then the rounded x against
   // the dequantized weight, whose error has no bias (an exact sum against the rounded dots would
