@@ -53,7 +53,8 @@ def test_urgent_requests_start_before_queued_bulk(cluster):
 
     def client(name, priority):
         request = inference_pb2.GenerateRequest(request_id=ids[name], prompt_token_ids=[9, 10], priority=priority,
-                                                sampling=inference_pb2.SamplingOptions(max_tokens=3))
+                                                # ignore_eos: a sampled EOS would end a stream early
+                                                sampling=inference_pb2.SamplingOptions(max_tokens=3, ignore_eos=True))
         served[name] = sum(len(r.token_ids) for r in cluster.stub.Generate(request, timeout=60))
 
     threads = []
