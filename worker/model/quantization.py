@@ -30,7 +30,7 @@ from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_pat
 
 INT4_GROUP_SIZE = 128
 # A layer's buffers that int8 activations hold in one arena with every other such layer's.
-ARENA_BUFFERS = ("qweight_panels", "scales", "zeros", "scale_columns")
+ARENA_BUFFERS = ("qweight_panels", "scales", "zeros")
 _EPS = 1e-8
 
 

@@ -105,15 +105,23 @@ inline BlockActivations block_activations(const SlottedActivations& s, int64_t r
   return b;
 }
 
+// Group g's 16 values of a panel from its two runs of the group columns (int8_activation_group_columns):
+// its scales at offset 0, its zeros at kColumnRows.
+inline __m512 panel_values(const float* low_run, const float* high_run, int64_t g, int64_t offset) {
+  const int64_t at = g * 2 * kColumnRows + offset;
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(low_run + at))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(high_run + at)), 1));
+}
+
 // R rows of x from m0 by P panels (filled, side by side in `filled`), every group: out[m][n] for
-// the panels' n_count outputs. `scales` / `zeros`: per panel, num_groups x 16 (zeros null for int8);
-// `x_sums` [rows, num_groups] for the zero-point term.
+// the panels' n_count outputs. `runs[2p]`, `runs[2p + 1]`: panel p's two runs of the group
+// columns; `x_sums` [rows, num_groups] for the zero-point term (null for int8).
 // `prefetch(slot)`, called once per slot, asks for what the next panels' fill will read of it.
 template <int R, int P, bool kInt8, typename Prefetch>
 inline void many_rows_tile(const BlockActivations& a, const uint8_t* filled, int64_t filled_stride,
-                           const float* scales, const float* zeros, int64_t table_stride, const float* x_sums,
-                           int64_t slots_per_row, int64_t slots_per_group, int64_t m0, float* out,
-                           int64_t out_features, int64_t n0, int64_t n_count, Prefetch& prefetch) {
+                           const float* const* runs, const float* x_sums, int64_t slots_per_row,
+                           int64_t slots_per_group, int64_t m0, float* out, int64_t out_features, int64_t n0,
+                           int64_t n_count, Prefetch& prefetch) {
   const int64_t num_groups = slots_per_row / slots_per_group;
   const int8_t* x = a.slotted->bytes.data();
   const int64_t x_stride = slots_per_row * kSlot;
@@ -153,10 +161,10 @@ inline void many_rows_tile(const BlockActivations& a, const uint8_t* filled, int
       }
     }
     for (int p = 0; p < P; ++p) {
-      const __m512 scale = _mm512_load_ps(scales + p * table_stride + g * kPanelOutputs);
+      const __m512 scale = panel_values(runs[2 * p], runs[2 * p + 1], g, 0);
       for (int i = 0; i < R; ++i) total[i][p] = _mm512_fmadd_ps(group_sum[i][p], scale, total[i][p]);
       if constexpr (!kInt8) {
-        const __m512 zero = _mm512_load_ps(zeros + p * table_stride + g * kPanelOutputs);
+        const __m512 zero = panel_values(runs[2 * p], runs[2 * p + 1], g, kColumnRows);
         for (int i = 0; i < R; ++i)
           total[i][p] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x_sums[(m0 + i) * num_groups + g]), total[i][p]);
       }
@@ -174,9 +182,9 @@ inline void many_rows_tile(const BlockActivations& a, const uint8_t* filled, int
 // panels' weights stream in from memory over this compute rather than in a burst at their fill.
 template <int P, bool kInt8, typename Prefetch>
 inline void many_rows_tiles(int64_t rows, const BlockActivations& a, const uint8_t* filled, int64_t filled_stride,
-                            const float* scales, const float* zeros, int64_t table_stride, const float* x_sums,
-                            int64_t slots_per_row, int64_t slots_per_group, float* out, int64_t out_features,
-                            int64_t n0, int64_t n_count, Prefetch& prefetch) {
+                            const float* const* runs, const float* x_sums, int64_t slots_per_row,
+                            int64_t slots_per_group, float* out, int64_t out_features, int64_t n0, int64_t n_count,
+                            Prefetch& prefetch) {
   auto none = [](int64_t) {};
   for (int64_t m0 = 0; m0 < rows; m0 += kManyRowsTile) {
     const int64_t r = std::min(kManyRowsTile, rows - m0);
@@ -184,11 +192,11 @@ inline void many_rows_tiles(int64_t rows, const BlockActivations& a, const uint8
     auto run = [&](auto rows_constant) {
       constexpr int kR = decltype(rows_constant)::value;
       if (m0 == 0)
-        many_rows_tile<kR, P, kInt8>(a, filled, filled_stride, scales, zeros, table_stride, x_sums, slots_per_row,
-                                     slots_per_group, m0, out, out_features, n0, n_count, prefetch);
+        many_rows_tile<kR, P, kInt8>(a, filled, filled_stride, runs, x_sums, slots_per_row, slots_per_group, m0, out,
+                                     out_features, n0, n_count, prefetch);
       else
-        many_rows_tile<kR, P, kInt8>(a, filled, filled_stride, scales, zeros, table_stride, x_sums, slots_per_row,
-                                     slots_per_group, m0, out, out_features, n0, n_count, none);
+        many_rows_tile<kR, P, kInt8>(a, filled, filled_stride, runs, x_sums, slots_per_row, slots_per_group, m0, out,
+                                     out_features, n0, n_count, none);
     };
     if (r == 4) run(std::integral_constant<int, 4>{});
     else if (r == 3) run(std::integral_constant<int, 3>{});
@@ -209,29 +217,18 @@ void many_rows_avx512(const QuantizedActivations& q, const WeightPanels& panels,
   const int64_t num_groups = in_features / group_size, num_tiles = (out_features + kCols - 1) / kCols;
   const int64_t num_panels = (out_features + kPanelOutputs - 1) / kPanelOutputs;
   const int64_t num_pairs = (num_panels + 1) / 2;
-  const int64_t panel_bytes = panels.slots_per_row * kPanelBytesPerSlot, table_stride = num_groups * kPanelOutputs;
+  const int64_t panel_bytes = panels.slots_per_row * kPanelBytesPerSlot;
+  const int64_t last_run = (out_features - 1) / kColumnRows;
   at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> bytes(2 * panel_bytes + 64);
     uint8_t* filled = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t{63});
-    std::vector<float> tables_storage(4 * table_stride + 16);
-    float* tables = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tables_storage.data()) + 63) & ~uintptr_t{63});
-    float* scale_table = tables;
-    float* zero_table = tables + 2 * table_stride;
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t first = 2 * pair, count = std::min<int64_t>(2, num_panels - first);
-      for (int64_t p = 0; p < count; ++p) {
-        fill_panel(panels, kInt8, first + p, num_tiles, filled + p * panel_bytes);
-        // The panel's two runs of the columns (the second past the weight's end where it has one).
-        for (int64_t half = 0; half < 2; ++half) {
-          const int64_t column_run = std::min(2 * (first + p) + half, (out_features - 1) / kColumnRows);
-          for (int64_t g = 0; g < num_groups; ++g) {
-            const float* from = columns + (column_run * num_groups + g) * 2 * kColumnRows;
-            const int64_t at = p * table_stride + g * kPanelOutputs + half * kColumnRows;
-            std::copy(from, from + kColumnRows, scale_table + at);
-            if (!kInt8) std::copy(from + kColumnRows, from + 2 * kColumnRows, zero_table + at);
-          }
-        }
-      }
+      for (int64_t p = 0; p < count; ++p) fill_panel(panels, kInt8, first + p, num_tiles, filled + p * panel_bytes);
+      // The pair's four runs of the columns (those past the weight's end read its last).
+      const float* runs[2 * 2];
+      for (int64_t r = 0; r < 2 * 2; ++r)
+        runs[r] = columns + std::min(2 * first + r, last_run) * num_groups * 2 * kColumnRows;
       const int64_t n0 = first * kPanelOutputs, n_count = std::min(count * kPanelOutputs, out_features - n0);
       // The next pair's tiles in this thread's range: the lines of their units that slot `slot` reads.
       const int64_t next_tile = (first + 2) * kPanelTiles;
@@ -243,13 +240,11 @@ void many_rows_avx512(const QuantizedActivations& q, const WeightPanels& panels,
             _mm_prefetch(reinterpret_cast<const char*>(panels.unit(tile, kInt8 ? slot : slot / 2, j)), _MM_HINT_T0);
       };
       if (count == 2)
-        many_rows_tiles<2, kInt8>(rows, a, filled, panel_bytes, scale_table, zero_table, table_stride, x_sums,
-                                  panels.slots_per_row, panels.slots_per_group, out, out_features, n0, n_count,
-                                  prefetch);
+        many_rows_tiles<2, kInt8>(rows, a, filled, panel_bytes, runs, x_sums, panels.slots_per_row,
+                                  panels.slots_per_group, out, out_features, n0, n_count, prefetch);
       else
-        many_rows_tiles<1, kInt8>(rows, a, filled, panel_bytes, scale_table, zero_table, table_stride, x_sums,
-                                  panels.slots_per_row, panels.slots_per_group, out, out_features, n0, n_count,
-                                  prefetch);
+        many_rows_tiles<1, kInt8>(rows, a, filled, panel_bytes, runs, x_sums, panels.slots_per_row,
+                                  panels.slots_per_group, out, out_features, n0, n_count, prefetch);
     }
   });
 }
