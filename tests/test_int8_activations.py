@@ -76,17 +76,20 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
 def test_a_layer_holds_its_weight_once_as_panels_and_saves_it_row_major(bits, in_features, group_size):
     g = torch.Generator().manual_seed(in_features + group_size)
     qw = quantize(torch.randn(10, in_features, generator=g), bits, group_size=group_size or 128)
-    assert torch.equal(from_panels(to_panels(qw.qweight, bits, in_features, qw.group_size), bits, qw.shape,
-                                   qw.group_size), qw.qweight)
+    for output_major in (False, True):
+        panels = to_panels(qw.qweight, bits, in_features, qw.group_size, output_major=output_major)
+        assert torch.equal(from_panels(panels, bits, qw.shape, qw.group_size), qw.qweight), output_major
     layer = QuantizedLinear(qw)
     x = torch.randn(3, in_features, generator=g)
     before = layer(x)  # weight-only
     saved = {k: v.clone() for k, v in layer.state_dict().items()}
     model = torch.nn.Sequential(layer)
     assert use_int8_activations(model) == (1, 1)
-    assert "qweight" not in layer._buffers and layer.kernel_weight().dim() == 3  # one copy: the panels
     kernels = cpu_kernels.load()
-    if kernels.int8_activations_take_group_columns():
+    # One copy: the panels, in the layout this host's kernels read.
+    assert "qweight" not in layer._buffers
+    assert layer.kernel_weight().dim() == (4 if kernels.int8_activations_output_major() else 3)
+    if kernels.int8_activations_output_major():
         assert torch.equal(layer.kernel_scales(), kernels.int8_activation_group_columns(layer.scales, layer.zeros))
     else:
         assert layer.kernel_scales() is layer.scales
@@ -101,6 +104,41 @@ def test_a_layer_holds_its_weight_once_as_panels_and_saves_it_row_major(bits, in
     shell = QuantizedLinear.empty(bits, qw.shape, qw.group_size)
     shell.load_state_dict(state)
     assert torch.equal(shell(x), before)
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 128), (4, 32)])
+def test_output_major_panels_give_each_output_a_32_bit_lane_of_its_units(bits, group_size):
+    """[ceil(N / 16), units, 16, 64]: bytes 4c..4c + 3 of unit u of row o of panel p at [p, u, c,
+    4o..4o + 3], each unit what the tile layout holds for that row (INT8 + 128, INT4 two slots'
+    nibbles); the rows past N zero weights."""
+    g = torch.Generator().manual_seed(bits + group_size)
+    in_features = 256
+    qw = quantize(torch.randn(37, in_features, generator=g), bits, group_size=group_size or 128)
+    tiles = to_panels(qw.qweight, bits, in_features, qw.group_size, output_major=False).view(torch.uint8)
+    panels = to_panels(qw.qweight, bits, in_features, qw.group_size, output_major=True).view(torch.uint8)
+    units = tiles.shape[1] // 4
+    assert panels.shape == (3, units, 16, 64)
+    for row in (0, 5, 16, 36):
+        for u in range(units):
+            unit = tiles[row // 4, 4 * u + row % 4]
+            for c in (0, 7, 15):
+                got = panels[row // 16, u, c, 4 * (row % 16):4 * (row % 16) + 4]
+                assert torch.equal(got, unit[4 * c:4 * c + 4]), (row, u, c)
+    padding = panels[2, :, :, 4 * 5:].reshape(-1)  # rows 37..47
+    assert bool((padding == (128 if bits == 8 else 0)).all())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_kernels_refuse_panels_in_the_other_layout(bits):
+    kernels = cpu_kernels.load()
+    qw = quantize(torch.randn(32, 64), bits, group_size=32)
+    other = to_panels(qw.qweight, bits, 64, qw.group_size, output_major=not kernels.int8_activations_output_major())
+    out = torch.empty(1, 32)
+    with pytest.raises(RuntimeError, match="panels"):
+        if bits == 8:
+            kernels.linear_int8_weights_int8_activations(torch.randn(1, 64), other, qw.scales, out)
+        else:
+            kernels.linear_int4_weights_int8_activations(torch.randn(1, 64), other, qw.scales, qw.zeros, 32, out)
 
 
 @pytest.mark.parametrize("out_features, groups", [(37, 3), (8, 1), (16, 0)])
@@ -125,7 +163,7 @@ def test_the_kernels_give_the_same_result_from_group_columns_or_row_major_scales
     """Where the kernels take group columns (AVX-512), a caller that holds only row-major scales
     gets them made for its call: the same result, bit for bit, at one row and at many."""
     kernels = cpu_kernels.load()
-    if not kernels.int8_activations_take_group_columns():
+    if not kernels.int8_activations_output_major():
         pytest.skip("these kernels take row-major scales only")
     g = torch.Generator().manual_seed(7)
     qw = quantize(torch.randn(45, in_features, generator=g), bits, group_size=group_size or 128)

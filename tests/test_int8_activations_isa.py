@@ -55,7 +55,7 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
     for bits, in_features, group_size in ((8, 256, 0), (8, 96, 0), (4, 256, 128), (4, 96, 32), (4, 192, 96)):
         g = torch.Generator().manual_seed(bits * 1000 + in_features)
         qw = quantize(torch.randn(37, in_features, generator=g), bits, group_size=group_size or 128)
-        panels = to_panels(qw.qweight, bits, in_features, qw.group_size)
+        panels = to_panels(qw.qweight, bits, in_features, qw.group_size, output_major=False)
         for rows in (1, 3, 7):
             x = torch.randn(rows, in_features, generator=g)
             x[0, :32] = 0.0

@@ -1,9 +1,17 @@
-"""The weight layout the int8-activation kernels read (worker/model/csrc/linear_int8_activations.cpp).
+"""The weight layouts the int8-activation kernels read (worker/model/csrc/linear_int8_activations.cpp).
 
 A quantized weight is stored row-major, [N, K] int8 or [N, K/2] uint8 nibbles (element 2j low,
-2j+1 high). The kernels compute a tile of 4 output rows at a time, 64 input features (two blocks
-of 32: a slot) per step, and the panels hold what one tile reads in the order it reads it, as
-units of 64 bytes: [ceil(N / 4), units_per_row * 4, 64], unit u of row j of tile t at [t, 4 u + j].
+2j+1 high). The kernels take 64 input features (two blocks of 32: a slot) per step, and the
+panels hold each weight row's slots as units of 64 bytes, in one of two layouts:
+
+- Tiles (`output_major=False`, the AVX2 and portable kernels, which compute a tile of 4 output
+  rows at a time): what one tile reads in the order it reads it, [ceil(N / 4), units_per_row * 4,
+  64], unit u of row j of tile t at [t, 4 u + j].
+- Output-major (`output_major=True`, the AVX-512 VNNI kernels, one 32-bit lane per output):
+  [ceil(N / 16), units_per_row, 16, 64], bytes 4c..4c + 3 of unit u of row o of panel p at
+  [p, u, c, 4 o..4 o + 3], so one 64-byte load gives 4 features of 16 outputs.
+
+In both:
 
 - Slots never straddle a group: a group of G features takes ceil(G / 64) slots, its odd last
   block padded with zero weights (which add nothing to any dot product); so do the rows past N.
@@ -17,7 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from worker.model import cpu_kernels
+
 TILE_ROWS = 4  # weight rows per tile: the kernels' kCols
+PANEL_ROWS = 16  # weight rows per output-major panel: the kernels' kPanelOutputs
 SLOT_FEATURES = 64  # input features per slot: the kernels' kSlot
 UNIT_BYTES = 64
 
@@ -31,8 +42,18 @@ def _slots(weights: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
     return padded.view(rows, -1, SLOT_FEATURES)
 
 
-def to_panels(qweight: torch.Tensor, bits: int, in_features: int, group_size: int = 0) -> torch.Tensor:
-    """Row-major [N, K] int8 or [N, K/2] uint8 -> the panels above (a new tensor)."""
+def host_layout_is_output_major() -> bool:
+    """Whether this host's kernels read the output-major layout (the AVX-512 VNNI build)."""
+    kernels = cpu_kernels.load()
+    return kernels is not None and kernels.int8_activations_output_major()
+
+
+def to_panels(qweight: torch.Tensor, bits: int, in_features: int, group_size: int = 0,
+              output_major: bool | None = None) -> torch.Tensor:
+    """Row-major [N, K] int8 or [N, K/2] uint8 -> the panels above (a new tensor), in the layout
+    `output_major` names (None: the one this host's kernels read)."""
+    if output_major is None:
+        output_major = host_layout_is_output_major()
     rows = qweight.shape[0]
     if bits == 8:  # INT8 scales are per row: its one group is the whole row
         units = (_slots(qweight.to(torch.int16), in_features, in_features) + 128).to(torch.uint8)
@@ -42,21 +63,32 @@ def to_panels(qweight: torch.Tensor, bits: int, in_features: int, group_size: in
         if slots.shape[1] % 2:
             slots = torch.cat((slots, slots.new_zeros(rows, 1, SLOT_FEATURES)), dim=1)
         units = slots[:, 0::2] | (slots[:, 1::2] << 4)
-    tiles = -(-rows // TILE_ROWS)
-    padded = units.new_full((tiles * TILE_ROWS, units.shape[1], UNIT_BYTES), 128 if bits == 8 else 0)
+    per = PANEL_ROWS if output_major else TILE_ROWS
+    count = -(-rows // per)
+    padded = units.new_full((count * per, units.shape[1], UNIT_BYTES), 128 if bits == 8 else 0)
     padded[:rows] = units
-    panels = padded.view(tiles, TILE_ROWS, units.shape[1], UNIT_BYTES).transpose(1, 2).reshape(
-        tiles, units.shape[1] * TILE_ROWS, UNIT_BYTES)
+    if output_major:  # [p, o, u, c, 4] -> [p, u, c, o, 4]
+        panels = padded.view(count, per, units.shape[1], UNIT_BYTES // 4, 4).permute(0, 2, 3, 1, 4).reshape(
+            count, units.shape[1], UNIT_BYTES // 4, UNIT_BYTES)
+    else:
+        panels = padded.view(count, per, units.shape[1], UNIT_BYTES).transpose(1, 2).reshape(
+            count, units.shape[1] * per, UNIT_BYTES)
     return panels.view(torch.int8) if bits == 8 else panels
 
 
 def from_panels(panels: torch.Tensor, bits: int, shape: tuple[int, int], group_size: int = 0) -> torch.Tensor:
-    """The inverse of `to_panels`: a new row-major [N, K] int8 or [N, K/2] uint8 tensor."""
+    """The inverse of `to_panels` (either layout, told apart by rank): a new row-major [N, K] int8
+    or [N, K/2] uint8 tensor."""
     rows, in_features = shape
     group = in_features if bits == 8 else group_size
-    tiles = panels.shape[0]
-    units = panels.view(torch.uint8).view(tiles, -1, TILE_ROWS, UNIT_BYTES).transpose(1, 2).reshape(
-        tiles * TILE_ROWS, -1, UNIT_BYTES)[:rows]
+    count = panels.shape[0]
+    raw = panels.view(torch.uint8)
+    if panels.dim() == 4:
+        units = raw.view(count, raw.shape[1], UNIT_BYTES // 4, PANEL_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(
+            count * PANEL_ROWS, raw.shape[1], UNIT_BYTES)[:rows]
+    else:
+        units = raw.view(count, -1, TILE_ROWS, UNIT_BYTES).transpose(1, 2).reshape(
+            count * TILE_ROWS, -1, UNIT_BYTES)[:rows]
     if bits == 8:
         slots = units.to(torch.int16) - 128
     else:

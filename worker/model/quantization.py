@@ -192,14 +192,15 @@ class QuantizedLinear(nn.Module):
     def hold_int8_activation_panels(self) -> None:
         """Hold the weight as int8-activation panels and drop the row-major copy; where those
         kernels take them (AVX-512), also hold the scales' group columns (an eighth of the INT4
-        weight's bytes at groups of 128), which they read instead of gathering per group."""
+        weight's bytes at groups of 128), which they read instead of gathering per group. The
+        panels are in the layout this host's kernels read (output-major with AVX-512 VNNI)."""
         if "qweight_panels" in self._buffers:
             return
         panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
         del self._buffers["qweight"]
         self.register_buffer("qweight_panels", panels, persistent=False)
         kernels = cpu_kernels.load()
-        if kernels is not None and kernels.int8_activations_take_group_columns():
+        if kernels is not None and kernels.int8_activations_output_major():
             self.register_buffer("scale_columns", kernels.int8_activation_group_columns(self.scales, self.zeros),
                                  persistent=False)
 

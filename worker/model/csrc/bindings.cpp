@@ -23,8 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
   m.def("int8_activations_supported", &int8_activations_supported,
         "whether a layer of this in_features and group size takes the int8-activation kernels");
-  m.def("int8_activations_take_group_columns", &int8_activations_take_group_columns,
-        "whether the int8-activation kernels take their scales as group columns (the AVX-512 kernels)");
+  m.def("int8_activations_output_major", &int8_activations_output_major,
+        "whether the int8-activation kernels take output-major panels and group columns (the AVX-512 VNNI kernels)");
   m.def("int8_activation_group_columns", &int8_activation_group_columns, py::arg("scales"),
         py::arg("zeros") = py::none(),
         "scales [N] or [N, G] (and zeros) -> [ceil(N / 8), G, 2, 8]: per run of 8 rows and group, their scales then zeros");

@@ -21,7 +21,7 @@ namespace {
 
 // Per projection, in the order the Python side lists them (LayerWeights.one_call_tensors): the
 // weight (float32 or bfloat16 panels; int8 [N, K] or uint8 [N, K/2], or either as int8-activation
-// panels, 3-D), its scales and zeros (quantized
+// panels, 3-D or 4-D), its scales and zeros (quantized
 // only; zeros INT4 only), the input scale x is multiplied by first (quantized only, optional)
 // and the bias (optional).
 enum ProjectionTensor { kWeight, kScales, kZeros, kInputScale, kBias, kNumProjectionTensors };
@@ -60,7 +60,7 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
     const auto& input_scale = layer[first + kInputScale];
     const at::Tensor input = input_scale ? (x * *input_scale) : x.contiguous();
     const at::Tensor& scales = *layer[first + kScales];
-    const bool int8_activations = weight.dim() == 3;
+    const bool int8_activations = weight.dim() > 2;
     if (weight.dtype() == at::kChar) {
       if (int8_activations)
         linear_int8_weights_int8_activations(input, weight, scales, out);

@@ -1,5 +1,5 @@
 // What the int8-activation kernels share (linear_int8_activations.cpp, int8_activations_avx512.h):
-// the tile shape, x quantized per block of 32, and the weights' panel layout.
+// the tile shapes, x quantized per block of 32, and the weights' panel layouts.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +12,9 @@ constexpr int64_t kRows = 3;    // rows of x per register tile
 constexpr int64_t kCols = 4;    // weight rows per register tile
 constexpr int64_t kSlot = 2 * kBlock;  // input features per slot of the panels: two blocks
 constexpr int64_t kColumnRows = 8;     // weight rows per run of the scales' group columns
+constexpr int64_t kPanelOutputs = 16;  // weight rows per output-major panel: one int32 lane each
+constexpr int64_t kQuads = kSlot / 4;  // 4-byte words per slot
+constexpr int64_t kPanelUnitBytes = kQuads * kPanelOutputs * 4;  // one unit of an output-major panel
 
 // x [M, K] quantized: q in -127..127 per element, |q| for the int8 weights' sign trick, and one
 // scale per block of 32 (xs = max|x| / 127; x ~ q * xs).
@@ -22,18 +25,26 @@ struct QuantizedActivations {
   int64_t blocks_per_row = 0;
 };
 
-// The weights as panels (worker/model/int8_activation_panels.py): per tile of kCols weight rows,
-// its units of 64 bytes in order, the kCols rows' bytes of each unit side by side, so a tile
-// reads one contiguous run. Features go in slots of kSlot, none straddling a group (a group's odd
-// last block and the rows past N hold zero weights). An int8 unit is one slot, each byte the
-// weight + 128 (an unsigned operand: x's sums undo the offset); an int4 unit is two slots, byte i
-// holding feature i of the first in its low nibble and of the second in its high one.
+// The weights as panels (worker/model/int8_activation_panels.py), in one of two layouts. Both put
+// the features in slots of kSlot, none straddling a group (a group's odd last block and the
+// rows past N hold zero weights), and cut each row's slots into units of 64 bytes: an int8 unit
+// is one slot, each byte the weight + 128 (an unsigned operand: x's sums undo the offset); an
+// int4 unit is two slots, byte i holding feature i of the first in its low nibble and of the
+// second in its high one.
+// - Tiles (the AVX2 and portable kernels): per tile of kCols weight rows, its units in order, the
+//   kCols rows' bytes of each unit side by side, so a tile reads one contiguous run.
+// - Output-major (the AVX-512 VNNI kernels): per panel of kPanelOutputs weight rows, its units in
+//   order, each as kQuads vectors of 64 bytes, vector c holding bytes 4c..4c + 3 of the unit of
+//   each of the panel's rows, row o at 4o: one 32-bit lane per output.
 struct WeightPanels {
   const uint8_t* data = nullptr;
   int64_t slots_per_group = 0, slots_per_row = 0, units_per_row = 0;
 
   const uint8_t* unit(int64_t column_tile, int64_t u, int64_t j) const {
     return data + ((column_tile * units_per_row + u) * kCols + j) * 64;
+  }
+  const uint8_t* panel_unit(int64_t panel, int64_t u) const {
+    return data + (panel * units_per_row + u) * kPanelUnitBytes;
   }
 };
 

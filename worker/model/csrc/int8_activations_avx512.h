@@ -1,7 +1,13 @@
-// The AVX-512 VNNI single-row kernel of the int8-activation linears (linear_int8_activations.cpp
-// says what they compute; calls of more rows take int8_activations_many_rows_avx512.h, in the
-// same arithmetic order) and x laid out in the weights' slots for both: one slot of two blocks
-// of 32 per 512-bit register. Empty where the compiler does not target AVX-512 F, BW, VL and VNNI.
+// The AVX-512 VNNI kernels of the int8-activation linears (linear_int8_activations.cpp says what
+// they compute), over the weights held output-major (int8_activations.h): one 32-bit lane per
+// output, so each lane accumulates one output's whole block dot and a block of 32 features costs
+// one VNNI instruction per 4 features and 16 outputs (x's 4 bytes broadcast), then one
+// conversion and one FMA per 16 outputs. Tile layouts, whose lanes hold partial blocks, need a
+// reduction across lanes per block as well. Every call, of one row or many, runs the same
+// per-row arithmetic (exact integer block dots, scaled by x's block scale into the group's sum,
+// the group's sum scaled by the weight's group scale, then the int4 zero-point term), so a
+// row's result never depends on how many rows its call had. Empty where the compiler does not
+// target AVX-512 F, BW, VL and VNNI.
 #pragma once
 
 #include "int8_activations.h"
@@ -11,179 +17,200 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
 
 namespace int8_activations {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_AVX512_VNNI 1
-constexpr int64_t kPrefetchTiles = 2;  // how far ahead (in tiles of kCols weight rows) panels are prefetched
+constexpr int64_t kRowTile = 4;  // rows of x per register tile (4 x 2 panels of accumulators)
+// How far ahead in its panel a pass of one or two rows asks for INT4 weights: the hardware
+// prefetchers alone leave a single row's INT4 stream well short of the copy bandwidth (they
+// keep INT8's, twice the bytes per instruction, at it, where asking too costs more than it
+// gains; so does asking further ahead). docs/benchmarks.md has the measurements.
+constexpr int64_t kInt4PrefetchBytes = 2048;
+  // rows of x per register tile (4 x 2 panels of accumulators)
+static_assert(kPanelOutputs == 2 * kColumnRows, "a panel's scales are two runs of the group columns");
 
-// x [M, K] for the 512-bit tiles: per row, the weights' slots (int8_activations.h) in order, each
-// 64 bytes of xq (a group's odd last block zeros), with 16 lane scales per slot (the lanes of the
-// int32 products each block's sums land in: 8 per block) and, for int8 weights, 16 lane offsets:
-// -128 x each lane's sum of 4 xq, what the weights' + 128 adds to the products.
-struct SlottedActivations {
+// What the tiles read of x: per row, the weights' slots in order, 64 bytes of xq each (a group's
+// odd last block zeros); one scale per block of those slots (an int4 unit's second slot is read
+// as its high nibbles in place, 16 x the weight, so its scales carry the 1/16, exactly, as a
+// power of two) and, for int8 weights, one offset per block: -128 x the block's sum of xq, what
+// the weights' + 128 adds to the integer dot.
+struct BlockActivations {
   std::vector<int8_t> bytes;
-  std::vector<float> lane_scales;
-  std::vector<int32_t> lane_offsets;
+  std::vector<float> scales;
+  std::vector<int32_t> offsets;
+  int64_t slots_per_row = 0, blocks_per_row = 0;  // the panels' slots, and for int4 one more where odd
 };
 
-// x in the slots of `panels` (their slot counts), whose groups are group_size features.
-SlottedActivations slot_activations(const QuantizedActivations& a, const WeightPanels& panels, int64_t rows,
-                                    int64_t in_features, int64_t group_size, bool int8_weights) {
-  SlottedActivations s;
-  const int64_t slots_per_group = panels.slots_per_group, slots_per_row = panels.slots_per_row;
+inline BlockActivations block_activations(const QuantizedActivations& a, const WeightPanels& panels, int64_t rows,
+                                          int64_t in_features, int64_t group_size, bool int8_weights) {
+  BlockActivations b;
+  const int64_t slots_per_group = panels.slots_per_group;
   const int64_t blocks_per_group = group_size / kBlock;
-  s.bytes.assign(rows * slots_per_row * kSlot, 0);
-  s.lane_scales.assign(rows * slots_per_row * 16, 0.f);
-  if (int8_weights) s.lane_offsets.assign(rows * slots_per_row * 16, 0);
+  // A pass over an int4 unit reads both its slots of x: a row's last unit may hold one.
+  b.slots_per_row = int8_weights ? panels.slots_per_row : 2 * panels.units_per_row;
+  b.blocks_per_row = 2 * b.slots_per_row;
+  b.bytes.assign(rows * b.slots_per_row * kSlot, 0);
+  b.scales.assign(rows * b.blocks_per_row, 0.f);
+  if (int8_weights) b.offsets.assign(rows * b.blocks_per_row, 0);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < in_features / group_size; ++g)
       for (int64_t local = 0; local < blocks_per_group; ++local) {
-        const int64_t b = g * blocks_per_group + local, half = local % 2;
-        const int64_t slot = m * slots_per_row + g * slots_per_group + local / 2;
-        const int8_t* q = a.q.data() + m * in_features + b * kBlock;
-        std::copy(q, q + kBlock, s.bytes.data() + slot * kSlot + half * kBlock);
-        // An int4 unit's second slot is read as its high nibbles in place (16 x the weight): its
-        // scales carry the 1/16, exactly, as a power of two.
-        const float unit_scale = !int8_weights && (g * slots_per_group + local / 2) % 2 ? 1.f / 16 : 1.f;
-        std::fill_n(s.lane_scales.data() + slot * 16 + half * 8, 8, a.scales[m * a.blocks_per_row + b] * unit_scale);
-        if (int8_weights)
-          for (int l = 0; l < 8; ++l)
-            s.lane_offsets[slot * 16 + half * 8 + l] = -128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+        const int64_t slot = g * slots_per_group + local / 2;
+        const int64_t block = m * b.blocks_per_row + 2 * slot + local % 2;
+        const int64_t source = g * blocks_per_group + local;
+        const int8_t* q = a.q.data() + m * in_features + source * kBlock;
+        std::copy(q, q + kBlock, b.bytes.data() + block * kBlock);
+        b.scales[block] = a.scales[m * a.blocks_per_row + source] * (!int8_weights && slot % 2 ? 1.f / 16 : 1.f);
+        if (int8_weights) {
+          int32_t sum = 0;
+          for (int64_t l = 0; l < kBlock; ++l) sum += q[l];
+          b.offsets[block] = -128 * sum;
+        }
       }
-  return s;
+  return b;
 }
 
-// The 16 int32 block sums of 8 weight rows' accumulators against one slot of x (lanes 0-7 of
-// acc[j] the partial sums of the slot's first block, 8-15 of its second): an exact integer
-// transpose-and-add in 21 instructions, where 16 separate reductions would take about 100. Lanes
-// of the result: rows 0-3 block 0, rows 0-3 block 1, rows 4-7 block 0, rows 4-7 block 1.
-inline __m512i block_sums(const __m512i acc[8]) {
-  __m512i pairs[4], quads[2];
-  for (int k = 0; k < 4; ++k)  // per 128-bit lane: row 2k's two partials at 0 and 2, row 2k + 1's at 1 and 3
-    pairs[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * k], acc[2 * k + 1]),
-                                _mm512_unpackhi_epi32(acc[2 * k], acc[2 * k + 1]));
-  for (int k = 0; k < 2; ++k)  // per 128-bit lane L: rows 4k..4k + 3, each the sum of its lanes 4L..4L + 3
-    quads[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * k], pairs[2 * k + 1]),
-                                _mm512_unpackhi_epi64(pairs[2 * k], pairs[2 * k + 1]));
-  // Block 0 is 128-bit lanes 0 and 1, block 1 lanes 2 and 3.
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+// Group g's 16 values of a panel from its two runs of the group columns (int8_activation_group_columns):
+// its scales at offset 0, its zeros at kColumnRows.
+inline __m512 panel_values(const float* low_run, const float* high_run, int64_t g, int64_t offset) {
+  const int64_t at = g * 2 * kColumnRows + offset;
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(low_run + at))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(high_run + at)), 1));
 }
 
-// R rows of x (1-3) against weight rows n0..n0 + 7 (tiles `tile` and tile + 1; C = 4: the first
-// only), written to out[i * out_features + n0..n0 + n_count). The arithmetic of many_rows_avx512,
-// in the same order (each block's exact integer dot, converted and scaled by x's block scale
-// into its group's sum, the group's sum scaled by the weight's group scale, then the int4
-// zero-point term), so a row's result does not depend on how many rows its call had; the
-// weights are read once for the R rows. `columns`: the scales' group columns
-// (int8_activation_group_columns), whose run tile / 2 is these rows'. `ahead`: prefetch the
-// panels kPrefetchTiles tiles on, so they stream in from memory during this compute.
-template <int R, int C, bool kInt8>
-inline void few_rows_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
-                            const float* x_sums, int64_t num_groups, int64_t tile, bool ahead, float* out,
-                            int64_t out_features, int64_t n_count) {
-  static_assert(C == 4 || C == 8, "one tile or two");
-  static_assert(2 * kCols == kColumnRows, "a run of the columns is two tiles");
-  const int64_t n0 = tile * kCols;
-  const float* run = columns + (tile / 2) * num_groups * 2 * kColumnRows;
-  __m256 total[R], group_sum[R];
-  for (int i = 0; i < R; ++i) total[i] = group_sum[i] = _mm256_setzero_ps();
-  int64_t group = 0, slots_left = panels.slots_per_group;
-  auto unit = [&](int64_t first_tile, int64_t u, int64_t j) {
-    return reinterpret_cast<const char*>(panels.unit(first_tile + j / kCols, u, j % kCols));
-  };
-  auto add_slot = [&](int64_t slot, const __m512i* w) {
-    for (int i = 0; i < R; ++i) {
-      const int64_t at = i * panels.slots_per_row + slot;  // row i's slot
-      const __m512i x = _mm512_loadu_si512(a.bytes.data() + at * kSlot);
-      const __m512i start = kInt8 ? _mm512_loadu_si512(a.lane_offsets.data() + at * 16) : _mm512_setzero_si512();
-      __m512i acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = j < C ? _mm512_dpbusd_epi32(start, w[j], x) : _mm512_setzero_si512();
-      const __m512 sums = _mm512_cvtepi32_ps(block_sums(acc));
-      const __m256 low = _mm512_castps512_ps256(sums);
-      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1));
-      group_sum[i] = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                                     _mm256_set1_ps(a.lane_scales[at * 16]), group_sum[i]);
-      group_sum[i] = _mm256_fmadd_ps(_mm256_permute2f128_ps(low, high, 0x31),
-                                     _mm256_set1_ps(a.lane_scales[at * 16 + 8]), group_sum[i]);
-    }
-    if (--slots_left == 0) {
-      const __m256 scale = _mm256_loadu_ps(run + group * 2 * kColumnRows);
-      for (int i = 0; i < R; ++i) {
-        total[i] = _mm256_fmadd_ps(group_sum[i], scale, total[i]);
-        if constexpr (!kInt8)
-          total[i] = _mm256_fmadd_ps(_mm256_loadu_ps(run + group * 2 * kColumnRows + kColumnRows),
-                                     _mm256_set1_ps(x_sums[i * num_groups + group]), total[i]);
-        group_sum[i] = _mm256_setzero_ps();
-      }
-      ++group;
-      slots_left = panels.slots_per_group;
-    }
-  };
-  for (int64_t u = 0; u < panels.units_per_row; ++u) {
-    if (ahead)
-      for (int64_t j = 0; j < C; ++j) _mm_prefetch(unit(tile + kPrefetchTiles, u, j), _MM_HINT_T0);
-    __m512i w[8];
-    if constexpr (kInt8) {
-      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_loadu_si512(unit(tile, u, j));
-      add_slot(u, w);
-    } else {
-      for (int64_t j = 0; j < C; ++j) w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)), _mm512_set1_epi8(0x0F));
-      add_slot(2 * u, w);
-      if (2 * u + 1 < panels.slots_per_row) {
-        // 16 x the high nibbles (at most 240 x 127 x 4 per lane): no shift; the slot's scales hold the 1/16.
-        for (int64_t j = 0; j < C; ++j)
-          w[j] = _mm512_and_si512(_mm512_loadu_si512(unit(tile, u, j)), _mm512_set1_epi8(static_cast<char>(0xF0)));
-        add_slot(2 * u + 1, w);
+// R rows of x from m0 by the P panels from `panel` (side by side in memory): out[m][n] for the
+// panels' outputs below out_features. `columns`: the scales' (and int4 zeros') group columns;
+// `x_sums` [rows, num_groups] for the zero-point term (null for int8). One or two rows keep
+// both blocks of a slot in flight, and with int4 weights both slots of a unit, whose bytes are
+// then loaded once for the two; integer sums, so how they are split changes no bit, and the
+// float sums go in the same order at every R: a slot's first block, its second, the next slot's.
+template <int R, int P, bool kInt8>
+inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels, int64_t panel, const float* columns,
+                           const float* x_sums, int64_t num_groups, int64_t m0, float* out, int64_t out_features) {
+  constexpr bool kFew = R <= 2;
+  constexpr int S = R == 1 && !kInt8 ? 2 : 1;  // slots per pass over a unit (two only with H = 2: the float order)
+  constexpr int H = kFew ? 2 : 1;             // blocks of each slot per pass
+  const int64_t x_stride = a.slots_per_row * kSlot;
+  const int64_t last_run = (out_features - 1) / kColumnRows;
+  const float* runs[2 * P];
+  for (int r = 0; r < 2 * P; ++r)
+    runs[r] = columns + std::min(2 * panel + r, last_run) * num_groups * 2 * kColumnRows;
+  __m512 total[R][P], group_sum[R][P];
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < P; ++p) total[i][p] = group_sum[i][p] = _mm512_setzero_ps();
+  const __m512i nibbles[2] = {_mm512_set1_epi8(0x0F), _mm512_set1_epi8(static_cast<char>(0xF0))};
+  for (int64_t slot0 = 0; slot0 < panels.slots_per_row; slot0 += S) {
+    const uint8_t* unit[P];
+    for (int p = 0; p < P; ++p) unit[p] = panels.panel_unit(panel + p, kInt8 ? slot0 : slot0 / 2);
+    if constexpr (!kInt8 && kFew)
+      if (slot0 % 2 == 0)  // once per unit
+        for (int p = 0; p < P; ++p)
+          for (int64_t line = 0; line < kPanelUnitBytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(unit[p]) + kInt4PrefetchBytes + line, _MM_HINT_T0);
+    for (int half0 = 0; half0 < 2; half0 += H) {
+      __m512i acc[S][H][R][P];
+      for (int s = 0; s < S; ++s)
+        for (int h = 0; h < H; ++h)
+          for (int i = 0; i < R; ++i)
+            for (int p = 0; p < P; ++p)
+              acc[s][h][i][p] = kInt8 ? _mm512_set1_epi32(a.offsets[(m0 + i) * a.blocks_per_row + 2 * slot0 + half0 + h])
+                                      : _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int c = 0; c < kQuads / 2; ++c)
+        for (int h = 0; h < H; ++h) {
+          const int64_t word = (half0 + h) * (kQuads / 2) + c;
+          __m512i bytes[P];
+          for (int p = 0; p < P; ++p) bytes[p] = _mm512_loadu_si512(unit[p] + word * 64);
+          for (int s = 0; s < S; ++s) {
+            __m512i w[P];
+            for (int p = 0; p < P; ++p)
+              w[p] = kInt8 ? bytes[p] : _mm512_and_si512(bytes[p], nibbles[S == 2 ? s : slot0 % 2]);
+            for (int i = 0; i < R; ++i) {
+              int32_t quad;
+              std::memcpy(&quad, a.bytes.data() + (m0 + i) * x_stride + (slot0 + s) * kSlot + 4 * word, 4);
+              const __m512i broadcast = _mm512_set1_epi32(quad);
+              for (int p = 0; p < P; ++p) acc[s][h][i][p] = _mm512_dpbusd_epi32(acc[s][h][i][p], w[p], broadcast);
+            }
+          }
+        }
+      for (int s = 0; s < S; ++s) {
+        const int64_t slot = slot0 + s;
+        if (slot >= panels.slots_per_row) break;  // a row's last int4 unit holding one slot
+        for (int h = 0; h < H; ++h) {
+          const int64_t block = 2 * slot + half0 + h;
+          for (int i = 0; i < R; ++i) {
+            const __m512 scale = _mm512_set1_ps(a.scales[(m0 + i) * a.blocks_per_row + block]);
+            for (int p = 0; p < P; ++p)
+              group_sum[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[s][h][i][p]), scale, group_sum[i][p]);
+          }
+          if (block % 2 == 0 || (slot + 1) % panels.slots_per_group) continue;
+          const int64_t g = slot / panels.slots_per_group;  // the group ends here
+          for (int p = 0; p < P; ++p) {
+            const __m512 group_scale = panel_values(runs[2 * p], runs[2 * p + 1], g, 0);
+            for (int i = 0; i < R; ++i) total[i][p] = _mm512_fmadd_ps(group_sum[i][p], group_scale, total[i][p]);
+            if constexpr (!kInt8) {
+              const __m512 zero = panel_values(runs[2 * p], runs[2 * p + 1], g, kColumnRows);
+              for (int i = 0; i < R; ++i)
+                total[i][p] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x_sums[(m0 + i) * num_groups + g]), total[i][p]);
+            }
+            for (int i = 0; i < R; ++i) group_sum[i][p] = _mm512_setzero_ps();
+          }
+        }
       }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    alignas(32) float values[8];
-    _mm256_store_ps(values, total[i]);
-    for (int64_t j = 0; j < std::min<int64_t>(n_count, C); ++j) out[i * out_features + n0 + j] = values[j];
+  for (int p = 0; p < P; ++p) {
+    const int64_t n0 = (panel + p) * kPanelOutputs;
+    const int64_t count = std::min<int64_t>(kPanelOutputs, out_features - n0);
+    const __mmask16 live = static_cast<__mmask16>((1u << count) - 1);
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * out_features + n0, live, total[i][p]);
   }
 }
 
-// Calls of at most this many rows take few_rows_avx512 (the weights read once for all rows, in
-// their stored layout); more take many_rows_avx512, whose per-call panel layout then pays.
-constexpr int64_t kFewRows = 3;
-
-// R rows of x (a single stream's decode step, or a few): two tiles at a time, so each slot of x
-// and its scales are loaded once for 8 weight rows and 8 row streams are in flight from memory,
-// where one tile's 4 rows of INT4 at K = 2048 are a single 4 KiB page. Tiles go to the threads in
-// chunks, so a thread a neighbour process slows does fewer of them; a thread's odd last tile goes
-// alone. `x_sums` ([R, num_groups]) is null for int8 weights.
-template <int R, bool kInt8>
-void few_rows_tiles_avx512(const SlottedActivations& a, const WeightPanels& panels, const float* columns,
-                           const float* x_sums, int64_t out_features, int64_t num_groups, float* out) {
-  const int64_t num_tiles = (out_features + kCols - 1) / kCols;
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(8, (num_tiles / (8 * threads)) & ~int64_t(1));
-  const int64_t num_chunks = (num_tiles + chunk - 1) / chunk;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min(threads, num_chunks)))
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t begin = c * chunk, end = std::min(num_tiles, begin + chunk);
-    int64_t tile = begin;  // even: chunks are
-    for (; tile + 1 < end; tile += 2)
-      few_rows_avx512<R, 8, kInt8>(a, panels, columns, x_sums, num_groups, tile, tile + kPrefetchTiles + 1 < end, out,
-                                   out_features, out_features - tile * kCols);
-    if (tile < end)
-      few_rows_avx512<R, 4, kInt8>(a, panels, columns, x_sums, num_groups, tile, false, out, out_features,
-                                   out_features - tile * kCols);
+// Every row tile of x by P panels from `panel`: the first tile streams the panels from memory,
+// the later ones find them in L2.
+template <int P, bool kInt8>
+inline void all_rows_by_panels(int64_t rows, const BlockActivations& a, const WeightPanels& panels, int64_t panel,
+                               const float* columns, const float* x_sums, int64_t num_groups, float* out,
+                               int64_t out_features) {
+  static_assert(kRowTile == 4, "one case per row count below");
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowTile) {
+    const int64_t r = std::min(kRowTile, rows - m0);
+    if (r == 4) rows_by_panels<4, P, kInt8>(a, panels, panel, columns, x_sums, num_groups, m0, out, out_features);
+    else if (r == 3) rows_by_panels<3, P, kInt8>(a, panels, panel, columns, x_sums, num_groups, m0, out, out_features);
+    else if (r == 2) rows_by_panels<2, P, kInt8>(a, panels, panel, columns, x_sums, num_groups, m0, out, out_features);
+    else rows_by_panels<1, P, kInt8>(a, panels, panel, columns, x_sums, num_groups, m0, out, out_features);
   }
 }
 
+// The whole call: pairs of panels (each broadcast of x feeds both) to the threads in chunks of
+// neighbouring pairs, so a thread a neighbour process slows does fewer of them. `columns`: the
+// scales' (and int4 zeros') group columns (int8_activation_group_columns); `x_sums` [rows,
+// num_groups] or null (int8).
 template <bool kInt8>
-void few_rows_avx512_call(int64_t rows, const SlottedActivations& a, const WeightPanels& panels, const float* columns,
-                          const float* x_sums, int64_t out_features, int64_t num_groups, float* out) {
-  static_assert(kFewRows == 3, "one case per row count below");
-  if (rows == 1) return few_rows_tiles_avx512<1, kInt8>(a, panels, columns, x_sums, out_features, num_groups, out);
-  if (rows == 2) return few_rows_tiles_avx512<2, kInt8>(a, panels, columns, x_sums, out_features, num_groups, out);
-  few_rows_tiles_avx512<3, kInt8>(a, panels, columns, x_sums, out_features, num_groups, out);
+void int8_activations_avx512(const QuantizedActivations& q, const WeightPanels& panels, const float* columns,
+                             const float* x_sums, int64_t rows, int64_t in_features, int64_t out_features,
+                             int64_t group_size, float* out) {
+  const BlockActivations a = block_activations(q, panels, rows, in_features, group_size, kInt8);
+  const int64_t num_groups = in_features / group_size;
+  const int64_t num_panels = (out_features + kPanelOutputs - 1) / kPanelOutputs;
+  const int64_t num_pairs = (num_panels + 1) / 2;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, num_pairs / (8 * threads));
+  const int64_t num_chunks = (num_pairs + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min(threads, num_chunks)))
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t pair = c * chunk; pair < std::min(num_pairs, (c + 1) * chunk); ++pair) {
+      if (2 * pair + 1 < num_panels)
+        all_rows_by_panels<2, kInt8>(rows, a, panels, 2 * pair, columns, x_sums, num_groups, out, out_features);
+      else
+        all_rows_by_panels<1, kInt8>(rows, a, panels, 2 * pair, columns, x_sums, num_groups, out, out_features);
+    }
 }
 #endif
 

@@ -49,7 +49,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
 
 // linear_int8_activations.cpp
 bool int8_activations_supported(int64_t in_features, int64_t group_size);
-bool int8_activations_take_group_columns();
+bool int8_activations_output_major();
 at::Tensor int8_activation_group_columns(at::Tensor scales, std::optional<at::Tensor> zeros);
 void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor out);
 void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::Tensor scales, at::Tensor zeros,

@@ -10,16 +10,15 @@
 //   int4 unsigned nibbles with per-group scales and zeros (group size a multiple of 32):
 //        y = sum_g scale[n, g] * sum_{b in g} xs[b] * (xq_b . q[n]_b) + zero[n, g] * sum(xs xq_g),
 //        so either way y is the rounded x against the dequantized weight.
-// With AVX-512 the unsigned operand of the u8 x s8 product is the weight (int4's nibble, or
-// int8's weight + 128 as stored, whose offset x's lane sums take back out in the accumulator
-// the product starts from: one set per row of x, shared by every weight row), two blocks to a
-// 512-bit register, each lane scaled by its own block's activation scale; a group's sum is
-// scaled by the weight's group scale in vector form and reduced once per output. AVX2 has a byte
-// sign instruction, so int8 there is |xq| against the weight carrying xq's sign.
+// The unsigned operand of the u8 x s8 product is the weight (int4's nibble, or int8's weight +
+// 128 as stored, whose offset x's block sums take back out in the accumulator the product starts
+// from: one per block of x, shared by every weight row). With AVX-512 VNNI the weights are held
+// output-major (int8_activations_avx512.h: one 32-bit lane per output, a block's dot whole in its
+// lane); the AVX2 and portable tiles read the tile layout, and AVX2, which has a byte sign
+// instruction, takes int8 as |xq| against the weight carrying xq's sign.
 #include "kernels.h"
 #include "int8_activations.h"
 #include "int8_activations_avx512.h"
-#include "int8_activations_many_rows_avx512.h"
 #include "output_tiles.h"
 #include "vector_math.h"
 
@@ -209,18 +208,27 @@ void check_args(const at::Tensor& x, const at::Tensor& scales, const at::Tensor&
               out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
 }
 
-// The panels of an [out_features, in_features] weight in groups of group_size, checked.
+// The panels of an [out_features, in_features] weight in groups of group_size, checked: the
+// layout this build's kernels read (int8_activations.h).
 WeightPanels panels_of(const at::Tensor& panels, bool int8, int64_t out_features, int64_t in_features,
                        int64_t group_size) {
   WeightPanels p;
   p.slots_per_group = (group_size + kSlot - 1) / kSlot;
   p.slots_per_row = p.slots_per_group * (in_features / group_size);
   p.units_per_row = int8 ? p.slots_per_row : (p.slots_per_row + 1) / 2;
-  TORCH_CHECK(panels.dtype() == (int8 ? at::kChar : at::kByte) && panels.is_contiguous() && panels.dim() == 3 &&
-              panels.size(0) == (out_features + kCols - 1) / kCols && panels.size(1) == p.units_per_row * kCols &&
-              panels.size(2) == 64,
-              "weight: contiguous ", int8 ? "int8" : "uint8", " panels [ceil(N/4), ", p.units_per_row * kCols,
-              ", 64] (worker/model/int8_activation_panels.py)");
+  TORCH_CHECK(panels.dtype() == (int8 ? at::kChar : at::kByte) && panels.is_contiguous(),
+              "weight: contiguous ", int8 ? "int8" : "uint8", " panels (worker/model/int8_activation_panels.py)");
+#ifdef HAVE_AVX512_VNNI
+  TORCH_CHECK(panels.dim() == 4 && panels.size(0) == (out_features + kPanelOutputs - 1) / kPanelOutputs &&
+              panels.size(1) == p.units_per_row && panels.size(2) == kQuads && panels.size(3) == 64,
+              "weight: output-major panels [ceil(N/16), ", p.units_per_row, ", 16, 64] ",
+              "(worker/model/int8_activation_panels.py, output_major=True)");
+#else
+  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out_features + kCols - 1) / kCols &&
+              panels.size(1) == p.units_per_row * kCols && panels.size(2) == 64,
+              "weight: tile panels [ceil(N/4), ", p.units_per_row * kCols, ", 64] ",
+              "(worker/model/int8_activation_panels.py, output_major=False)");
+#endif
   p.data = reinterpret_cast<const uint8_t*>(panels.data_ptr());
   return p;
 }
@@ -233,7 +241,7 @@ bool int8_activations_supported(int64_t in_features, int64_t group_size) {
   return in_features % kBlock == 0 && group_size % kBlock == 0;
 }
 
-bool int8_activations_take_group_columns() {
+bool int8_activations_output_major() {
 #ifdef HAVE_AVX512_VNNI
   return true;
 #else
@@ -302,12 +310,8 @@ void linear_int8_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
   at::Tensor storage;
   const float* columns = group_columns_of(scales, nullptr, out_features, 1, storage);
   const QuantizedActivations q = quantize_activations(x.data_ptr<float>(), rows, in_features, false);
-  if (rows > kFewRows)
-    return many_rows_avx512<true>(q, weights, columns, nullptr, rows, in_features, out_features, in_features,
-                                  out.data_ptr<float>());
-  const SlottedActivations slotted = slot_activations(q, weights, rows, in_features, in_features, true);
-  few_rows_avx512_call<true>(rows, slotted, weights, columns, nullptr, out_features, 1, out.data_ptr<float>());
-  return;
+  return int8_activations_avx512<true>(q, weights, columns, nullptr, rows, in_features, out_features, in_features,
+                                       out.data_ptr<float>());
 #endif
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out_features, "scales: [N]");
   const float* s = scales.data_ptr<float>();
@@ -347,13 +351,8 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
 #ifdef HAVE_AVX512_VNNI
   at::Tensor storage;
   const float* columns = group_columns_of(scales, &zeros, out_features, num_groups, storage);
-  if (rows > kFewRows)
-    return many_rows_avx512<false>(a, weights, columns, x_sums.data(), rows, in_features, out_features, group_size,
-                                   out.data_ptr<float>());
-  const SlottedActivations slotted = slot_activations(a, weights, rows, in_features, group_size, false);
-  few_rows_avx512_call<false>(rows, slotted, weights, columns, x_sums.data(), out_features, num_groups,
-                              out.data_ptr<float>());
-  return;
+  return int8_activations_avx512<false>(a, weights, columns, x_sums.data(), rows, in_features, out_features,
+                                        group_size, out.data_ptr<float>());
 #endif
   TORCH_CHECK(scales.dim() == 2, "scales: [N, K / group_size]");
   const float* s = scales.data_ptr<float>();
