@@ -1,6 +1,7 @@
 """One allocation for what a decode step streams (worker/model/weight_arena.py): the copies are
 equal, aligned views of one storage; int8-activation layers hold their panels, scales and zeros
-there, compute what they computed, and still save tensors of their own."""
+there, and weight-only layers their qweight, scales and zeros; both compute what they computed
+and still save tensors of their own."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.model import cpu_kernels, weight_arena
-from worker.model.quantization import QuantizedLinear, quantize, use_int8_activations
+from worker.model.quantization import QuantizedLinear, gather_step_weights, quantize, use_int8_activations
 
 
 def test_gather_copies_into_one_storage_at_cache_line_boundaries():
@@ -47,3 +48,37 @@ def test_int8_activation_layers_share_one_arena_and_save_their_own_tensors(tmp_p
     save_file(state, str(tmp_path / "model.safetensors"))  # refuses tensors that share memory
     loaded = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_weight_only_layers_share_one_arena_and_save_their_own_tensors(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    model = torch.nn.Sequential(QuantizedLinear(quantize(torch.randn(40, 128, generator=g), 4, group_size=64)),
+                                QuantizedLinear(quantize(torch.randn(24, 96, generator=g), 8)))
+    x0, x1 = torch.randn(3, 128, generator=g), torch.randn(3, 96, generator=g)
+    want = (model[0](x0), model[1](x1))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    gather_step_weights(list(model))
+    held = [t for m in model for t in (m.qweight, m.scales, m.zeros) if t is not None]
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    assert torch.equal(model[0](x0), want[0]) and torch.equal(model[1](x1), want[1])
+    first = model[0].qweight.data_ptr()
+    gather_step_weights(list(model))  # once in an arena, left there
+    assert model[0].qweight.data_ptr() == first
+    state = model.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
+    save_file(state, str(tmp_path / "model.safetensors"))  # refuses tensors that share memory
+    # A checkpoint loads into the arena's views in place.
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    assert model[0].qweight.data_ptr() == first and torch.equal(model[0](x0), want[0])
+
+
+def test_a_cpu_engine_holds_its_weight_only_layers_in_one_arena(tmp_path):
+    from conftest import make_checkpoint
+    from worker.engine import Engine
+    folder = make_checkpoint(tmp_path / "llama", "llama", hidden_size=128, intermediate_size=256)
+    engine = Engine.from_model_dir(folder, device="cpu", quantization="int4", quantization_calibration="none",
+                                   num_kv_blocks=16)
+    layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.in_arena for m in layers)
+    assert len({m.qweight.untyped_storage().data_ptr() for m in layers}) == 1

@@ -28,7 +28,7 @@ from worker.model.calibration import Calibration, CalibrationSettings
 from worker.model.config import ModelConfig
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 from worker.model.placement import WeightPlacement, attach_placement, plan_weights
-from worker.model.quantization import use_int8_activations
+from worker.model.quantization import QuantizedLinear, gather_step_weights, use_int8_activations
 from worker.model.quantize_model import QuantizationReport, quantize_model
 from worker.model.quantized_checkpoint import quantization_config
 from worker.model.transformer import Transformer
@@ -109,6 +109,8 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
         _use_int8_activations(target, model)
         if report is not None:
             report.count_paths(model)  # now ours at every size
+    if target.device.type == "cpu":  # the weight-only layers' too (int8 activations gathered theirs)
+        gather_step_weights([m for m in model.modules() if isinstance(m, QuantizedLinear)])
     # Chosen once, over the final weights and after calibration (whose hooks need the modules);
     # the float Linears it packs then hold only its panels.
     fast_path, reason = choose_fast_path(model, ATTENTION[config.attention])

@@ -29,8 +29,8 @@ from worker.model.int8_activation_panels import from_panels, to_panels
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
 
 INT4_GROUP_SIZE = 128
-# A layer's buffers that int8 activations hold in one arena with every other such layer's.
-ARENA_BUFFERS = ("qweight_panels", "scales", "zeros")
+# A layer's saved buffers that may be views of the arena its steps read (`gather_step_weights`).
+ARENA_SAVED_BUFFERS = ("qweight", "scales", "zeros")
 _EPS = 1e-8
 
 
@@ -161,6 +161,7 @@ class QuantizedLinear(nn.Module):
         self.path = path  # for steps of more than SMALL_ROWS rows
         self.small_path = path  # for up to SMALL_ROWS rows
         self.int8_activations = False  # set by `use_int8_activations`
+        self.in_arena = False  # set by `gather_step_weights`
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
@@ -199,6 +200,7 @@ class QuantizedLinear(nn.Module):
         panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
         del self._buffers["qweight"]
         self.register_buffer("qweight_panels", panels, persistent=False)
+        self.in_arena = False  # the panels are a new allocation
         kernels = cpu_kernels.load()
         if kernels is not None and kernels.int8_activations_output_major():
             self.register_buffer("scale_columns", kernels.int8_activation_group_columns(self.scales, self.zeros),
@@ -217,10 +219,11 @@ class QuantizedLinear(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if "qweight_panels" in self._buffers:
             destination[prefix + "qweight"] = self._row_major_from_panels()
-            # Views of the layers' shared arena (use_int8_activations) are saved as tensors of their
-            # own: a checkpoint writer refuses tensors that share memory.
-            for name in ARENA_BUFFERS:
-                if prefix + name in destination:
+        if self.in_arena:
+            # Views of the layers' shared arena are saved as tensors of their own: a checkpoint
+            # writer refuses tensors that share memory.
+            for name in ARENA_SAVED_BUFFERS:
+                if prefix + name in destination and name in self._buffers:
                     destination[prefix + name] = destination[prefix + name].clone()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -337,16 +340,27 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
     for layer in switched:
         layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
         layer.hold_int8_activation_panels()
-    # What each decode step reads, in one allocation (weight_arena.py: all on huge pages): the
-    # panels, and the group columns where held, else the scales and zeros.
+    gather_step_weights(switched)
+    return len(switched), len(layers)
+
+
+def gather_step_weights(layers: list[QuantizedLinear]) -> None:
+    """Hold what each decode step reads of these layers (on the CPU, not yet in an arena) in one
+    allocation (worker/model/weight_arena.py: with huge pages on, all of it on 2 MiB pages): the
+    int8-activation panels and group columns where held (else their scales and zeros), or the
+    weight-only layers' qweight, scales and zeros."""
+    layers = [layer for layer in layers if not layer.in_arena and layer.scales.device.type == "cpu"]
     def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:
+        if "qweight_panels" not in layer._buffers:
+            return ("qweight", "scales", "zeros")
         return ("qweight_panels", "scale_columns") if "scale_columns" in layer._buffers else (
             "qweight_panels", "scales", "zeros")
-    held = [(layer, name) for layer in switched for name in read_per_step(layer)
+    held = [(layer, name) for layer in layers for name in read_per_step(layer)
             if layer._buffers.get(name) is not None]
     for (layer, name), view in zip(held, weight_arena.gather([layer._buffers[name] for layer, name in held])):
         layer._buffers[name] = view
-    return len(switched), len(layers)
+    for layer in layers:
+        layer.in_arena = True
 
 
 class QuantizationPlan:
