@@ -60,8 +60,8 @@ def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_s
         exact = x.double() @ dequantize(qw).double().t()
         assert (out.double() - exact).norm() < 0.02 * exact.norm(), rows
         # Whatever the tile a row lands in, its result is the one it gets alone, bit for bit (with
-        # AVX-512 up to 3 rows take the few-row kernel and more the output-major panels: the same
-        # arithmetic in the same order).
+        # AVX-512 VNNI one kernel runs every row count, its register tiles of 1-4 rows splitting
+        # the integer sums differently but summing the floats in the same order).
         alone = torch.empty(1, 37)
         for i in range(rows):
             if bits == 8:

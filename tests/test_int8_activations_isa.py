@@ -1,5 +1,5 @@
 """The int8-activation kernels' narrower instruction-set paths. A host with AVX-512 VNNI builds
-those tiles natively; a CPU without AVX-512 runs the AVX2 tiles, and one without AVX2 the
+its output-major kernel natively; a CPU without AVX-512 runs the AVX2 tiles, and one without AVX2 the
 portable loop. Each is built here with the wider instructions turned off and held to the same
 float64 statement of the arithmetic as the native build (tests/test_int8_activations.py). The
 weight-only INT8 / INT4 kernels of the same builds are held to their dequantized product."""

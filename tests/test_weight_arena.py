@@ -48,6 +48,11 @@ def test_int8_activation_layers_share_one_arena_and_save_their_own_tensors(tmp_p
     save_file(state, str(tmp_path / "model.safetensors"))  # refuses tensors that share memory
     loaded = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    # Loaded back (re-packed: new panels, the scales still the arena's where the kernels read
+    # them row-major), it still saves tensors of its own.
+    model.load_state_dict(loaded)
+    assert torch.equal(model[0](x0), want[0])
+    save_file(model.state_dict(), str(tmp_path / "again.safetensors"))
 
 
 def test_weight_only_layers_share_one_arena_and_save_their_own_tensors(tmp_path):
@@ -73,12 +78,33 @@ def test_weight_only_layers_share_one_arena_and_save_their_own_tensors(tmp_path)
     assert model[0].qweight.data_ptr() == first and torch.equal(model[0](x0), want[0])
 
 
-def test_a_cpu_engine_holds_its_weight_only_layers_in_one_arena(tmp_path):
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")
+def test_layers_switched_to_int8_activations_after_a_gather_leave_that_arena(tmp_path):
+    """The first arena holds every row-major weight: the switched layers keep no view of it."""
+    g = torch.Generator().manual_seed(6)
+    model = torch.nn.Sequential(QuantizedLinear(quantize(torch.randn(40, 128, generator=g), 4, group_size=64)),
+                                QuantizedLinear(quantize(torch.randn(24, 96, generator=g), 8)))
+    gather_step_weights(list(model))
+    first_arena = model[0].qweight  # kept alive here, so no later allocation takes its address
+    assert use_int8_activations(model) == (2, 2)
+    held = [t for m in model for t in (m.kernel_weight(), m.kernel_scales(), m.scales, m.zeros) if t is not None]
+    assert all(t.untyped_storage().data_ptr() != first_arena.untyped_storage().data_ptr() for t in held)
+    assert all(m.in_arena for m in model)
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("load_mode", ["full", "on_demand"])
+def test_a_cpu_engine_holds_its_weight_only_layers_in_one_arena(tmp_path, load_mode):
+    """Not with on_demand, whose layer slots copy from the tensors it already holds."""
     from conftest import make_checkpoint
     from worker.engine import Engine
     folder = make_checkpoint(tmp_path / "llama", "llama", hidden_size=128, intermediate_size=256)
     engine = Engine.from_model_dir(folder, device="cpu", quantization="int4", quantization_calibration="none",
-                                   num_kv_blocks=16)
+                                   num_kv_blocks=16, load_mode=load_mode)
     layers = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(m.in_arena for m in layers)
-    assert len({m.qweight.untyped_storage().data_ptr() for m in layers}) == 1
+    assert layers
+    if load_mode == "full":
+        assert all(m.in_arena for m in layers)
+        assert len({m.qweight.untyped_storage().data_ptr() for m in layers}) == 1
+    else:
+        assert not any(m.in_arena for m in layers)

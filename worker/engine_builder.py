@@ -109,7 +109,9 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
         _use_int8_activations(target, model)
         if report is not None:
             report.count_paths(model)  # now ours at every size
-    if target.device.type == "cpu":  # the weight-only layers' too (int8 activations gathered theirs)
+    # The weight-only layers' too (int8 activations gathered theirs); not on_demand's, whose layer
+    # slots copy from the tensors it already holds (an arena would be a second copy).
+    if target.device.type == "cpu" and config.load_mode != "on_demand":
         gather_step_weights([m for m in model.modules() if isinstance(m, QuantizedLinear)])
     # Chosen once, over the final weights and after calibration (whose hooks need the modules);
     # the float Linears it packs then hold only its panels.

@@ -29,7 +29,7 @@ from worker.model.int8_activation_panels import from_panels, to_panels
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
 
 INT4_GROUP_SIZE = 128
-# A layer's saved buffers that may be views of the arena its steps read (`gather_step_weights`).
+# A layer's saved buffers that may be views of an arena (`gather_step_weights`).
 ARENA_SAVED_BUFFERS = ("qweight", "scales", "zeros")
 _EPS = 1e-8
 
@@ -192,15 +192,21 @@ class QuantizedLinear(nn.Module):
 
     def hold_int8_activation_panels(self) -> None:
         """Hold the weight as int8-activation panels and drop the row-major copy; where those
-        kernels take them (AVX-512), also hold the scales' group columns (an eighth of the INT4
-        weight's bytes at groups of 128), which they read instead of gathering per group. The
+        kernels take them (AVX-512 VNNI), also hold the scales' group columns (an eighth of the
+        INT4 weight's bytes at groups of 128), which they read instead of gathering per group. The
         panels are in the layout this host's kernels read (output-major with AVX-512 VNNI)."""
         if "qweight_panels" in self._buffers:
             return
         panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
         del self._buffers["qweight"]
         self.register_buffer("qweight_panels", panels, persistent=False)
-        self.in_arena = False  # the panels are a new allocation
+        if self.in_arena:
+            # Out of the arena (whose row-major weights would otherwise stay alive through these
+            # views), to be gathered again with the panels.
+            for name in ("scales", "zeros"):
+                if self._buffers.get(name) is not None:
+                    self._buffers[name] = self._buffers[name].clone()
+            self.in_arena = False
         kernels = cpu_kernels.load()
         if kernels is not None and kernels.int8_activations_output_major():
             self.register_buffer("scale_columns", kernels.int8_activation_group_columns(self.scales, self.zeros),
@@ -219,12 +225,12 @@ class QuantizedLinear(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if "qweight_panels" in self._buffers:
             destination[prefix + "qweight"] = self._row_major_from_panels()
-        if self.in_arena:
-            # Views of the layers' shared arena are saved as tensors of their own: a checkpoint
-            # writer refuses tensors that share memory.
-            for name in ARENA_SAVED_BUFFERS:
-                if prefix + name in destination and name in self._buffers:
-                    destination[prefix + name] = destination[prefix + name].clone()
+        # Views of a shared arena are saved as tensors of their own: a checkpoint writer refuses
+        # tensors that share memory.
+        for name in ARENA_SAVED_BUFFERS:
+            saved = destination.get(prefix + name)
+            if saved is not None and saved.untyped_storage().nbytes() != saved.nbytes:
+                destination[prefix + name] = saved.clone()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         panels = self._buffers.pop("qweight_panels", None)
@@ -349,7 +355,8 @@ def gather_step_weights(layers: list[QuantizedLinear]) -> None:
     allocation (worker/model/weight_arena.py: with huge pages on, all of it on 2 MiB pages): the
     int8-activation panels and group columns where held (else their scales and zeros), or the
     weight-only layers' qweight, scales and zeros."""
-    layers = [layer for layer in layers if not layer.in_arena and layer.scales.device.type == "cpu"]
+    layers = list({id(layer): layer for layer in layers
+                   if not layer.in_arena and layer.scales.device.type == "cpu"}.values())
     def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:
         if "qweight_panels" not in layer._buffers:
             return ("qweight", "scales", "zeros")

@@ -31,10 +31,9 @@ constexpr int64_t kRowTile = 4;  // rows of x per register tile (4 x 2 panels of
 // keep INT8's, twice the bytes per instruction, at it, where asking too costs more than it
 // gains; so does asking further ahead). docs/benchmarks.md has the measurements.
 constexpr int64_t kInt4PrefetchBytes = 2048;
-  // rows of x per register tile (4 x 2 panels of accumulators)
 static_assert(kPanelOutputs == 2 * kColumnRows, "a panel's scales are two runs of the group columns");
 
-// What the tiles read of x: per row, the weights' slots in order, 64 bytes of xq each (a group's
+// What the kernel reads of x: per row, the weights' slots in order, 64 bytes of xq each (a group's
 // odd last block zeros); one scale per block of those slots (an int4 unit's second slot is read
 // as its high nibbles in place, 16 x the weight, so its scales carry the 1/16, exactly, as a
 // power of two) and, for int8 weights, one offset per block: -128 x the block's sum of xq, what
@@ -86,8 +85,8 @@ inline __m512 panel_values(const float* low_run, const float* high_run, int64_t 
 // R rows of x from m0 by the P panels from `panel` (side by side in memory): out[m][n] for the
 // panels' outputs below out_features. `columns`: the scales' (and int4 zeros') group columns;
 // `x_sums` [rows, num_groups] for the zero-point term (null for int8). One or two rows keep
-// both blocks of a slot in flight, and with int4 weights both slots of a unit, whose bytes are
-// then loaded once for the two; integer sums, so how they are split changes no bit, and the
+// both blocks of a slot in flight, and one row with int4 weights both slots of a unit, whose
+// bytes are then loaded once for the two; integer sums, so how they are split changes no bit, and the
 // float sums go in the same order at every R: a slot's first block, its second, the next slot's.
 template <int R, int P, bool kInt8>
 inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels, int64_t panel, const float* columns,
