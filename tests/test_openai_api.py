@@ -282,7 +282,6 @@ def test_a_client_that_disconnects_mid_stream_costs_no_further_compute(base_url,
             for i, _ in enumerate(response.iter_lines()):
                 if i >= 6:
                     break
-    wait_all_free(cluster, timeout_s=5)
     deadline = time.monotonic() + 5
     while not (records := [r for r in request_records(cluster) if r["request_id"] == request_id]):
         assert time.monotonic() < deadline
@@ -290,9 +289,11 @@ def test_a_client_that_disconnects_mid_stream_costs_no_further_compute(base_url,
     [record] = records
     assert record["status_code"] == "CANCELLED"
     assert record["completion_tokens"] < LONG_MAX_TOKENS // 4
-    # Nothing was computed for it after the cancel: the worker is idle and the pools are free.
-    status = cluster.status()
-    assert all(w.num_running == 0 for w in status.workers)
+    # Nothing is computed for it after the cancel: the worker goes idle and the pools free. (Waited
+    # for after the record, not before: the cluster status is the workers' last heartbeats, and a
+    # fast engine can stream six tokens inside one heartbeat, so a status read at the disconnect
+    # may still be the idle one from before the request.)
+    wait_all_free(cluster, timeout_s=5)
 
 
 # ---- the side endpoints -----------------------------------------------------------------------------
