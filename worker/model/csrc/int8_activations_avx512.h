@@ -187,8 +187,9 @@ inline void all_rows_by_panels(int64_t rows, const BlockActivations& a, const We
   }
 }
 
-// The whole call: pairs of panels (each broadcast of x feeds both) to the threads in chunks of
-// neighbouring pairs, so a thread a neighbour process slows does fewer of them. `columns`: the
+// The whole call: pairs of panels (each broadcast of x feeds both; a single INT4 row takes
+// them one at a time) to the threads in chunks of neighbouring pairs, so a thread a neighbour
+// process slows does fewer of them. `columns`: the
 // scales' (and int4 zeros') group columns (int8_activation_group_columns); `x_sums` [rows,
 // num_groups] or null (int8).
 template <bool kInt8>
@@ -205,10 +206,14 @@ void int8_activations_avx512(const QuantizedActivations& q, const WeightPanels& 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min(threads, num_chunks)))
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t pair = c * chunk; pair < std::min(num_pairs, (c + 1) * chunk); ++pair) {
-      if (2 * pair + 1 < num_panels)
+      if (!kInt8 && rows == 1) {  // one panel at a time: measured faster for a single INT4 row
+        for (int64_t panel = 2 * pair; panel < std::min(2 * pair + 2, num_panels); ++panel)
+          all_rows_by_panels<1, kInt8>(rows, a, panels, panel, columns, x_sums, num_groups, out, out_features);
+      } else if (2 * pair + 1 < num_panels) {
         all_rows_by_panels<2, kInt8>(rows, a, panels, 2 * pair, columns, x_sums, num_groups, out, out_features);
-      else
+      } else {
         all_rows_by_panels<1, kInt8>(rows, a, panels, 2 * pair, columns, x_sums, num_groups, out, out_features);
+      }
     }
 }
 #endif
