@@ -14,8 +14,9 @@ from shared.sampling_params import SamplingParams
 from worker.model import cpu_kernels
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 from worker.model.int8_activation_panels import from_panels, to_panels
-from worker.model.quantization import QuantizedLinear, dequantize, quantize, use_int8_activations
+from worker.model.quantization import QuantizedLinear, dequantize, quantize
 from worker.model.quantize_model import quantize_model
+from worker.model.step_weights import use_int8_activations
 from worker.model.weights import load_model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.model import cpu_kernels, weight_arena
-from worker.model.quantization import QuantizedLinear, gather_step_weights, quantize, use_int8_activations
+from worker.model.quantization import QuantizedLinear, quantize
+from worker.model.step_weights import gather_step_weights, use_int8_activations
 
 
 def test_gather_copies_into_one_storage_at_cache_line_boundaries():

@@ -28,9 +28,10 @@ from worker.model.calibration import Calibration, CalibrationSettings
 from worker.model.config import ModelConfig
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 from worker.model.placement import WeightPlacement, attach_placement, plan_weights
-from worker.model.quantization import QuantizedLinear, gather_step_weights, use_int8_activations
+from worker.model.quantization import QuantizedLinear
 from worker.model.quantize_model import QuantizationReport, quantize_model
 from worker.model.quantized_checkpoint import quantization_config
+from worker.model.step_weights import gather_step_weights, use_int8_activations
 from worker.model.transformer import Transformer
 from worker.model.weights import load_model
 from worker.model_runner import ModelRunner

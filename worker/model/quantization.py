@@ -6,8 +6,8 @@ Pure tensor code. The stored formats are our own and device independent:
   per-group `scales` and `zeros` [N, K/G]: w ~ q * scale + zero, q in 0..15 (asymmetric),
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
-float in registers, CPU only; or, opted in by `use_int8_activations`, quantize the activations
-per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or
+float in registers, CPU only; or, opted in by `use_int8_activations` (worker/model/step_weights.py),
+quantize the activations per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or
 "dequant" (rebuild the float weight into a reused buffer, then the float matmul). A
 `QuantizationPlan`, one per model, gives decode-sized steps our kernel wherever it runs (else
 the faster of the others), times the paths (`choose_path`, worker/model/path_choice.py) on each
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import cpu_kernels, weight_arena
-from worker.model.int8_activation_panels import from_panels, to_panels
+from worker.model import cpu_kernels
+from worker.model.int8_activation_panels import from_panels, host_layout_is_output_major, to_panels
 # `choose_path` is called through this module's namespace (tests replace it here).
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
 
@@ -207,9 +207,9 @@ class QuantizedLinear(nn.Module):
                 if self._buffers.get(name) is not None:
                     self._buffers[name] = self._buffers[name].clone()
             self.in_arena = False
-        kernels = cpu_kernels.load()
-        if kernels is not None and kernels.int8_activations_output_major():
-            self.register_buffer("scale_columns", kernels.int8_activation_group_columns(self.scales, self.zeros),
+        if host_layout_is_output_major():
+            self.register_buffer("scale_columns",
+                                 cpu_kernels.load().int8_activation_group_columns(self.scales, self.zeros),
                                  persistent=False)
 
     def _row_major_from_panels(self) -> torch.Tensor:
@@ -333,41 +333,6 @@ class QuantizedLinear(nn.Module):
         # Asked without building the packed operands: the same conditions `_torch_int4_operands` has.
         converter = {"cpu": "_convert_weight_to_int4pack_for_cpu", "cuda": "_convert_weight_to_int4pack"}
         return self.shape[1] % 64 == 0 and hasattr(torch, converter.get(device.type, "no such converter"))
-
-
-def use_int8_activations(model: nn.Module) -> tuple[int, int]:
-    """Quantize the activations of every quantized layer that can take it (`takes_int8_activations`)
-    per 32-block to int8, and run it through our integer kernels at every step size: a token's
-    result then never depends on the step it ran in (decode, prompt chunk, recompute after
-    preemption). Each switched layer holds its weight as those kernels' panels. (layers switched,
-    quantized layers in all)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    switched = [layer for layer in layers if layer.takes_int8_activations()]
-    for layer in switched:
-        layer.int8_activations, layer.small_path, layer.path = True, "ours", "ours"
-        layer.hold_int8_activation_panels()
-    gather_step_weights(switched)
-    return len(switched), len(layers)
-
-
-def gather_step_weights(layers: list[QuantizedLinear]) -> None:
-    """Hold what each decode step reads of these layers (on the CPU, not yet in an arena) in one
-    allocation (worker/model/weight_arena.py: with huge pages on, all of it on 2 MiB pages): the
-    int8-activation panels and group columns where held (else their scales and zeros), or the
-    weight-only layers' qweight, scales and zeros."""
-    layers = list({id(layer): layer for layer in layers
-                   if not layer.in_arena and layer.scales.device.type == "cpu"}.values())
-    def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:
-        if "qweight_panels" not in layer._buffers:
-            return ("qweight", "scales", "zeros")
-        return ("qweight_panels", "scale_columns") if "scale_columns" in layer._buffers else (
-            "qweight_panels", "scales", "zeros")
-    held = [(layer, name) for layer in layers for name in read_per_step(layer)
-            if layer._buffers.get(name) is not None]
-    for (layer, name), view in zip(held, weight_arena.gather([layer._buffers[name] for layer, name in held])):
-        layer._buffers[name] = view
-    for layer in layers:
-        layer.in_arena = True
 
 
 class QuantizationPlan:

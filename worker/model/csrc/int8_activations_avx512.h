@@ -86,8 +86,9 @@ inline __m512 panel_values(const float* low_run, const float* high_run, int64_t 
 // panels' outputs below out_features. `columns`: the scales' (and int4 zeros') group columns;
 // `x_sums` [rows, num_groups] for the zero-point term (null for int8). One or two rows keep
 // both blocks of a slot in flight, and one row with int4 weights both slots of a unit, whose
-// bytes are then loaded once for the two; integer sums, so how they are split changes no bit, and the
-// float sums go in the same order at every R: a slot's first block, its second, the next slot's.
+// bytes are then loaded once for the two; integer sums, so how they are split changes no bit,
+// and the float sums go in the same order at every R: a slot's first block, its second, the
+// next slot's.
 template <int R, int P, bool kInt8>
 inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels, int64_t panel, const float* columns,
                            const float* x_sums, int64_t num_groups, int64_t m0, float* out, int64_t out_features) {
@@ -189,9 +190,8 @@ inline void all_rows_by_panels(int64_t rows, const BlockActivations& a, const We
 
 // The whole call: pairs of panels (each broadcast of x feeds both; a single INT4 row takes
 // them one at a time) to the threads in chunks of neighbouring pairs, so a thread a neighbour
-// process slows does fewer of them. `columns`: the
-// scales' (and int4 zeros') group columns (int8_activation_group_columns); `x_sums` [rows,
-// num_groups] or null (int8).
+// process slows does fewer of them. `columns`: the scales' (and int4 zeros') group columns
+// (int8_activation_group_columns); `x_sums` [rows, num_groups] or null (int8).
 template <bool kInt8>
 void int8_activations_avx512(const QuantizedActivations& q, const WeightPanels& panels, const float* columns,
                              const float* x_sums, int64_t rows, int64_t in_features, int64_t out_features,
