@@ -1,5 +1,10 @@
 """The gateway's queue on a saturated one-worker cluster: priority order, deadlines while queued
-and while running, the queue-time limit, and RESOURCE_EXHAUSTED with a retry hint."""
+and while running, the queue-time limit, and RESOURCE_EXHAUSTED with a retry hint.
+
+The worker is model-free (bench/fake_worker.py, the real wire and heartbeats): what is tested is
+the gateway's queue, and a blocker must hold the only slot for as long as a test needs whatever
+the host's speed. A real tiny model streams a long generation in well under a second on a fast
+engine, shorter than these tests' deadlines; a fake one at 5 ms a token holds it for seconds."""
 from __future__ import annotations
 
 import json
@@ -10,21 +15,23 @@ import grpc
 import pytest
 
 from cluster_harness import Cluster, LONG_MAX_TOKENS, generate
+from gateway_fake_cluster import FakeCluster
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(300)
 
 # One worker that runs one request at a time and holds none waiting: everything else
 # waits in the gateway's queue, where its order is decided. Interactive traffic (priority -1)
-# may wait 0.05 s: a blocker's 2,000 tokens take the tiny model at least three times that even
-# at this engine's fastest step (about 0.07 ms), so the limit, not the blocker's end, decides.
+# may wait 0.05 s; a blocker's 2,000 tokens take 10 s at STEP_MS, so the limit or the
+# deadline, never the blocker's end, decides.
+STEP_MS = 5.0
 SECTIONS = {"worker": {"max_num_seqs": 1, "max_queued": 0},
             "queues": {"max_queued_requests": 6, "batch_window_ms": 0.0, "max_queue_wait_s": [[-1, 0.05]]}}
 
 
 @pytest.fixture(scope="module")
 def cluster(served_checkpoint):
-    with Cluster(served_checkpoint, num_workers=1, sections=SECTIONS) as c:
+    with FakeCluster(served_checkpoint, num_workers=1, step_ms=STEP_MS, sections=SECTIONS) as c:
         yield c
 
 
@@ -49,7 +56,7 @@ def wait_idle(cluster, timeout_s=20.0):
 
 
 def test_urgent_requests_start_before_queued_bulk(cluster):
-    stream = blocker(cluster)  # still running when the last client arrives, 0.2 s later, however fast the engine
+    stream = blocker(cluster)
     served: dict[str, int] = {}
     ids = {name: f"{name}-{time.monotonic_ns()}" for name in ("bulk-0", "bulk-1", "bulk-2", "urgent")}
 
@@ -64,7 +71,10 @@ def test_urgent_requests_start_before_queued_bulk(cluster):
         threads.append(threading.Thread(target=client, args=(name, priority)))
         threads[-1].start()
         time.sleep(0.05)  # the urgent request arrives last
-    list(stream)
+    deadline = time.monotonic() + 10
+    while cluster.status().num_queued < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stream.cancel()  # the slot frees with all four waiting
     for t in threads:
         t.join(timeout=60)
     assert served == {name: 3 for name in ids}
