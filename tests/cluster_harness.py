@@ -19,11 +19,12 @@ from protos import inference_pb2, inference_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 180.0  # a first start compiles the CPU kernels
 # The served checkpoint's context (conftest.served_checkpoint) and a generation that fills most
-# of it and of the test clusters' 128 KV blocks of 16: long enough to keep the worker busy well
-# past a test's short deadlines on a fast engine, which tests of deadlines, draining and queueing
-# behind a busy worker rely on.
-SERVED_MAX_POSITIONS = 2048
-LONG_MAX_TOKENS = 2000
+# of it and of the test clusters' KV blocks of 16: long enough to keep the worker busy well past
+# a test's short deadlines on a fast engine (the tiny model streams about 4,000 tokens a second),
+# which tests of deadlines, draining and killing behind a busy worker rely on.
+SERVED_MAX_POSITIONS = 8192
+LONG_MAX_TOKENS = 8000
+TEST_KV_BLOCKS = SERVED_MAX_POSITIONS // 16
 
 
 def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_workers: int,
@@ -31,14 +32,14 @@ def write_config(path: Path, model_dir: Path, run_dir: Path, port: int, num_work
     sections = {k: dict(v) for k, v in (sections or {}).items()}
     sections["gateway"] = {"host": "127.0.0.1", "port": port, "metrics_port": metrics_port, "http_port": 0,
                            **sections.get("gateway", {})}
-    sections["worker"] = {"num_threads": 1, "num_kv_blocks": 128, **sections.get("worker", {})}
+    sections["worker"] = {"num_threads": 1, "num_kv_blocks": TEST_KV_BLOCKS, **sections.get("worker", {})}
     path.write_text(render_config({"model_dir": str(model_dir), "num_workers": num_workers,
                                    "run_dir": str(run_dir)}, sections))
     return path
 
 
 class Cluster(ClusterProcess):
-    """A ClusterProcess with the tests' defaults (1 torch thread and 128 KV blocks per worker,
+    """A ClusterProcess with the tests' defaults (1 torch thread and TEST_KV_BLOCKS per worker,
     metrics on a free port), an open channel and stub, and supervised workers (and gateway) on
     request."""
 
@@ -48,7 +49,7 @@ class Cluster(ClusterProcess):
         self.metrics_port = free_port()
         sections = {k: dict(v) for k, v in (sections or {}).items()}
         sections["gateway"] = {"metrics_port": self.metrics_port, **sections.get("gateway", {})}
-        sections["worker"] = {"num_threads": 1, "num_kv_blocks": 128, **sections.get("worker", {})}
+        sections["worker"] = {"num_threads": 1, "num_kv_blocks": TEST_KV_BLOCKS, **sections.get("worker", {})}
         super().__init__(model_dir, num_workers, sections,
                          gateway_module=["gateway", "--supervise"] if supervised_gateway else None,
                          worker_module=["worker.supervisor"] if supervised else None, api_key=api_key,

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster_harness import SERVED_MAX_POSITIONS, Cluster, generate, wait_all_free
+from cluster_harness import SERVED_MAX_POSITIONS, TEST_KV_BLOCKS, Cluster, generate, wait_all_free
 from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,7 +81,7 @@ def test_stop_string_ends_the_text_before_it(cluster, tokenizer):
 
 
 def test_truncate_keeps_the_last_tokens(cluster):
-    long_prompt = list(range(3, 300)) * 7
+    long_prompt = list(range(3, 300)) * (SERVED_MAX_POSITIONS // 297 + 1)
     assert len(long_prompt) > SERVED_MAX_POSITIONS
     with pytest.raises(grpc.RpcError) as e:
         generate(cluster.stub, prompt_token_ids=long_prompt, sampling=dict(max_tokens=4))
@@ -186,7 +186,7 @@ def test_status_reports_every_worker(cluster):
     status = cluster.status()
     assert [w.worker_id for w in status.workers] == ["worker-0", "worker-1"]
     for w in status.workers:
-        assert w.alive and w.ready and w.kv_blocks_total == 128
+        assert w.alive and w.ready and w.kv_blocks_total == TEST_KV_BLOCKS
         assert w.memory_used_bytes > 0 and w.memory_level == "OK" and w.last_heartbeat_age_s < 1.0
         assert w.device == "cpu"
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from bench.cluster_process import free_port
-from cluster_harness import LONG_MAX_TOKENS, Cluster, generate, wait_all_free
+from cluster_harness import LONG_MAX_TOKENS, SERVED_MAX_POSITIONS, Cluster, generate, wait_all_free
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "llama"  # the served checkpoint's folder name
@@ -299,7 +299,7 @@ def test_a_client_that_disconnects_mid_stream_costs_no_further_compute(base_url,
 # ---- the side endpoints -----------------------------------------------------------------------------
 def test_models_health_metrics_openapi_and_headers(client, base_url):
     [card] = client.models.list().data
-    assert card.id == MODEL and card.model_extra["max_model_len"] == 2048
+    assert card.id == MODEL and card.model_extra["max_model_len"] == SERVED_MAX_POSITIONS
     assert client.models.retrieve(MODEL).id == MODEL
     with urllib.request.urlopen(f"{base_url}/health", timeout=5) as r:
         assert r.status == 200

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from bench.cluster_process import free_port
+from cluster_harness import SERVED_MAX_POSITIONS
 from gateway_fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,8 +60,8 @@ BAD_BODIES = [
     ("/v1/completions", completion(prompt=[1, 99999]), 400, "vocabulary"),
     ("/v1/completions", completion(prompt=[-1]), 400, "prompt"),
     ("/v1/completions", completion(max_tokens=0), 400, "max_tokens"),
-    ("/v1/completions", completion(max_tokens=5000), 400, "context"),
-    ("/v1/completions", completion(prompt="x " * 3000), 400, "context"),
+    ("/v1/completions", completion(max_tokens=SERVED_MAX_POSITIONS + 1), 400, "context"),
+    ("/v1/completions", completion(prompt="x " * (SERVED_MAX_POSITIONS + 1)), 400, "context"),
     ("/v1/completions", completion(temperature=-1), 400, "temperature"),
     ("/v1/completions", completion(top_p=1.5), 400, "top_p"),
     ("/v1/completions", completion(top_k=-2), 400, "top_k"),
