@@ -404,6 +404,14 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   static_assert(kWideRun == weight_only_avx512::kStep, "a step is one run of split nibbles");
   if (group_size % kWideRun == 0) {
     const std::vector<float> split_x = split_features<kWideRun>(x_ptr, rows, in_features);
+#ifdef HAVE_AVX512_BF16_NIBBLES
+    // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through bf16
+    // dot products (int4_row_tile_bf16), prepared once for all its tiles.
+    const bool bf16_row = group_size % weight_only_avx512::kNibbleRun == 0 && rows % weight_only_avx512::kRows == 1;
+    const weight_only_avx512::NibbleRowX last_row =
+        bf16_row ? weight_only_avx512::split_x_bf16(x_ptr + (rows - 1) * in_features, in_features, group_size)
+                 : weight_only_avx512::NibbleRowX{};
+#endif
     return quantized_tiles_avx512(
         split_x.data(), rows, in_features, out_features, group_size, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, int64_t g) {
@@ -422,8 +430,13 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
             row_scales[j] = s + row(j) * num_groups;
           }
           float sums[kCols];
-          weight_only_avx512::int4_row_tile(split_x.data() + m0 * in_features, row_weights, row_scales, in_features,
-                                            group_size, sums);
+#ifdef HAVE_AVX512_BF16_NIBBLES
+          if (bf16_row)
+            weight_only_avx512::int4_row_tile_bf16(last_row, row_weights, row_scales, in_features, group_size, sums);
+          else
+#endif
+            weight_only_avx512::int4_row_tile(split_x.data() + m0 * in_features, row_weights, row_scales, in_features,
+                                              group_size, sums);
           for (int64_t j = 0; j < kCols; ++j) {
             const float* row_zeros = z + row(j) * num_groups;
             for (int64_t g = 0; g < num_groups; ++g) sums[j] += row_zeros[g] * x_sums[m0 * num_groups + g];
