@@ -403,15 +403,18 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   constexpr int64_t kWideRun = weight_only_avx512::kSplitRun;
   static_assert(kWideRun == weight_only_avx512::kStep, "a step is one run of split nibbles");
   if (group_size % kWideRun == 0) {
-    const std::vector<float> split_x = split_features<kWideRun>(x_ptr, rows, in_features);
 #ifdef HAVE_AVX512_BF16_NIBBLES
     // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through bf16
-    // dot products (int4_row_tile_bf16), prepared once for all its tiles.
+    // dot products (int4_row_tile_bf16), prepared once for all its tiles; only the rows before it
+    // are split for the float tiles.
     const bool bf16_row = group_size % weight_only_avx512::kNibbleRun == 0 && rows % weight_only_avx512::kRows == 1;
     const weight_only_avx512::NibbleRowX last_row =
         bf16_row ? weight_only_avx512::split_x_bf16(x_ptr + (rows - 1) * in_features, in_features, group_size)
                  : weight_only_avx512::NibbleRowX{};
+#else
+    constexpr bool bf16_row = false;
 #endif
+    const std::vector<float> split_x = split_features<kWideRun>(x_ptr, rows - (bf16_row ? 1 : 0), in_features);
     return quantized_tiles_avx512(
         split_x.data(), rows, in_features, out_features, group_size, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, int64_t g) {

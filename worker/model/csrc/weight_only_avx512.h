@@ -34,7 +34,7 @@ inline void prefetch_ahead(const void* weights) {
 // memory, and the next tile's right after them. Each step of the tile fetches its share of the
 // next tile's bytes as one forward stream (spread evenly over the tile's steps), so that tile
 // starts warm: per-row prefetches a fixed distance ahead left kCols rows to start cold at every
-// tile (INT4, one row, streamed from memory: 36-39 -> 48-49 GB/s).
+// tile (docs/benchmarks.md has the measurement).
 class NextTilePrefetch {
  public:
   // `last_row`: the tile's last weight row; `row_bytes`: bytes a row; `step_bytes`: bytes a row
@@ -212,14 +212,14 @@ inline void int4_row_tile_bf16(const NibbleRowX& x, const uint8_t* const rows[kC
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
   const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kNibbleRun / 2);
+  auto load_x = [](const std::vector<uint16_t>& part, int64_t at) {
+    return reinterpret_cast<__m512bh>(_mm512_loadu_si512(part.data() + at));
+  };
   for (int64_t g0 = 0; g0 < in_features; g0 += group_size) {
     __m512 even[kCols], odd[kCols];
     for (int64_t j = 0; j < kCols; ++j) even[j] = odd[j] = _mm512_setzero_ps();
     for (int64_t k = g0; k < g0 + group_size; k += kNibbleRun) {
       next_tile.step(k / kNibbleRun);
-      auto load_x = [&](const std::vector<uint16_t>& part, int64_t at) {
-        return reinterpret_cast<__m512bh>(_mm512_loadu_si512(part.data() + at));
-      };
       const __m512bh upper_even = load_x(x.upper, k), upper_odd = load_x(x.upper, k + 32);
       const __m512bh residual_even = load_x(x.residual, k), residual_odd = load_x(x.residual, k + 32);
       const int64_t at = k / 2;
