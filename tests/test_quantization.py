@@ -82,8 +82,9 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
     """Our kernels tile 3 input rows x 4 weight rows (x 8 on AVX-512): every count of leftover
     rows and weight rows (98 = 24 x 4 + 2 = 12 x 8 + 2) must still match the dequantized
     reference, on both sides of the row counts where a call switches to float32 panels (15 and 18
-    rows on AVX2; on AVX-512 3 for INT4 and 5 for INT8 where K is whole blocks of 64, whose panels
-    are filled by transposing bytes, else 12 and 16), and for INT4 in the nibble-split orders
+    rows on AVX2; on AVX-512, where K is whole blocks of 64, whose panels are filled by
+    transposing bytes, 5 for INT8 and for INT4 10 in groups of 128, 6 in shorter ones, else 12
+    and 16), through INT4's tiles of one, two and three rows, and for INT4 in the nibble-split orders
     (groups of whole runs of 16 or 32) and out of them (groups of 8). K = 264 is not a whole
     number of the AVX-512 tiles' 32-feature steps: those calls take the AVX2 tiles and fills."""
     torch.manual_seed(1)
@@ -92,7 +93,7 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
         layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
         if not layer.path_available("ours", torch.device("cpu")):
             pytest.skip("our CPU kernels are not built here")
-        for rows in (1, 2, 3, 4, 5, 6, 7, 11, 12, 15, 16, 18, 19, 31, 32, 33, 40):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 15, 16, 18, 19, 31, 32, 33, 40):
             x = torch.randn(rows, k)
             assert_float32_product(layer(x), x @ dequantize(layer.qw).t() + layer.bias)
 

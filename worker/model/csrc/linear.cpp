@@ -31,9 +31,11 @@ constexpr int64_t kInt8WidenFromRows = 18;
 constexpr int64_t kInt4WidenFromRows = 15;
 #endif
 // Filled by transposing bytes (dequantized_panels_avx512.h), a panel costs a small share of the
-// FMAs of a few rows over it, so the panel route wins from far fewer rows.
+// FMAs of a few rows over it, so the panel route wins from far fewer rows. INT4's register
+// tiles of several rows (int4_rows_tile) widen each nibble once for all of them and scale once
+// a group, so they hold out longer where groups are long.
 constexpr int64_t kInt8ByteFillFromRows = 5;
-constexpr int64_t kInt4ByteFillFromRows = 3;
+inline int64_t int4_byte_fill_from_rows(int64_t group_size) { return group_size % 128 == 0 ? 10 : 6; }
 
 // Whether the AVX-512 byte-transposing fill takes weights of this many input features.
 inline bool fills_by_bytes(int64_t in_features) {
@@ -263,23 +265,24 @@ void quantized_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int6
 #ifdef HAVE_AVX512_WEIGHT_ONLY
 // The register tiles of weight_only_avx512.h over the whole output; `load(n, k, g)` widens 16
 // weights of row n from feature k (group g), `finish(n, dot)` gives output n from x . those weights.
-// `single_row(m0, row, total)`, where given, computes the tiles of one row of x instead.
-template <typename Load, typename Finish, typename SingleRow = std::nullptr_t>
+// `own_tile(m0, m_count, row, total)`, where given, computes the tiles of up to kOwnRows rows
+// of x instead.
+template <int64_t kOwnRows = 0, typename Load, typename Finish, typename OwnTile = std::nullptr_t>
 void quantized_tiles_avx512(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
                             int64_t group_size, float* out_ptr, Load load, Finish finish,
-                            SingleRow single_row = nullptr) {
+                            OwnTile own_tile = nullptr) {
   namespace wide = weight_only_avx512;
   for_each_output_tile<wide::kRows, wide::kCols>(
       rows, out_features, out_ptr,
       [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
         auto row = [&](int64_t j) { return std::min(n0 + j, out_features - 1); };
+        if constexpr (!std::is_same_v<OwnTile, std::nullptr_t>)
+          if (m_count <= kOwnRows) return own_tile(m0, m_count, row, total);
         static_assert(wide::kRows == 3, "one case per row count below");
         if (m_count == 3)
           wide::tile<3>(x_ptr, in_features, group_size, m0, row, total, load, finish);
         else if (m_count == 2)
           wide::tile<2>(x_ptr, in_features, group_size, m0, row, total, load, finish);
-        else if constexpr (!std::is_same_v<SingleRow, std::nullptr_t>)
-          single_row(m0, row, total);
         else
           wide::tile<1>(x_ptr, in_features, group_size, m0, row, total, load, finish);
       });
@@ -322,14 +325,14 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
 #endif
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   if (in_features % weight_only_avx512::kStep == 0)
-    return quantized_tiles_avx512(
+    return quantized_tiles_avx512<1>(
         x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, int64_t) {
           if (k % weight_only_avx512::kStep == 0) weight_only_avx512::prefetch_ahead(q + n * in_features + k);
           return weight_only_avx512::widen_int8(q + n * in_features + k);
         },
         [&](int64_t n, float dot_q) { return s[n] * dot_q; },
-        [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
+        [&](int64_t m0, int64_t, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
           constexpr int64_t kCols = weight_only_avx512::kCols;
           const int8_t* row_weights[kCols];
           for (int64_t j = 0; j < kCols; ++j) row_weights[j] = q + row(j) * in_features;
@@ -370,7 +373,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   const float* z = zeros.data_ptr<float>();
   auto row_of = [&](int64_t n) { return q + n * (in_features / 2); };
 #ifdef HAVE_AVX2_FMA
-  if (rows > (fills_by_bytes(in_features) ? kInt4ByteFillFromRows : kInt4WidenFromRows)) {
+  if (rows > (fills_by_bytes(in_features) ? int4_byte_fill_from_rows(group_size) : kInt4WidenFromRows)) {
 #ifdef HAVE_AVX512_DEQUANTIZED_PANELS
     if (fills_by_bytes(in_features))
       return quantized_through_panels(x_ptr, rows, in_features, out_features, out.data_ptr<float>(),
@@ -415,7 +418,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     constexpr bool bf16_row = false;
 #endif
     const std::vector<float> split_x = split_features<kWideRun>(x_ptr, rows - (bf16_row ? 1 : 0), in_features);
-    return quantized_tiles_avx512(
+    return quantized_tiles_avx512<weight_only_avx512::kRows>(
         split_x.data(), rows, in_features, out_features, group_size, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, int64_t g) {
           if (k % kWideRun == 0) weight_only_avx512::prefetch_ahead(row_of(n) + k / 2);
@@ -424,27 +427,32 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
                                  _mm512_set1_ps(s[at]), _mm512_set1_ps(z[at]));
         },
         [](int64_t, float dot) { return dot; },
-        [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
-          constexpr int64_t kCols = weight_only_avx512::kCols;
+        [&](int64_t m0, int64_t m_count, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
+          namespace wide = weight_only_avx512;
+          constexpr int64_t kCols = wide::kCols;
           const uint8_t* row_weights[kCols];
           const float* row_scales[kCols];
           for (int64_t j = 0; j < kCols; ++j) {
             row_weights[j] = row_of(row(j));
             row_scales[j] = s + row(j) * num_groups;
           }
-          float sums[kCols];
+          const float* x_rows = split_x.data() + m0 * in_features;
+          static_assert(wide::kRows == 3, "one case per row count below");
+          if (m_count == 3)
+            wide::int4_rows_tile<3>(x_rows, in_features, row_weights, row_scales, in_features, group_size, total);
+          else if (m_count == 2)
+            wide::int4_rows_tile<2>(x_rows, in_features, row_weights, row_scales, in_features, group_size, total);
 #ifdef HAVE_AVX512_BF16_NIBBLES
-          if (bf16_row)
-            weight_only_avx512::int4_row_tile_bf16(last_row, row_weights, row_scales, in_features, group_size, sums);
-          else
+          else if (bf16_row)
+            wide::int4_row_tile_bf16(last_row, row_weights, row_scales, in_features, group_size, total[0]);
 #endif
-            weight_only_avx512::int4_row_tile(split_x.data() + m0 * in_features, row_weights, row_scales, in_features,
-                                              group_size, sums);
-          for (int64_t j = 0; j < kCols; ++j) {
-            const float* row_zeros = z + row(j) * num_groups;
-            for (int64_t g = 0; g < num_groups; ++g) sums[j] += row_zeros[g] * x_sums[m0 * num_groups + g];
-            total[0][j] = sums[j];
-          }
+          else
+            wide::int4_row_tile(x_rows, row_weights, row_scales, in_features, group_size, total[0]);
+          for (int64_t i = 0; i < m_count; ++i)
+            for (int64_t j = 0; j < kCols; ++j) {
+              const float* row_zeros = z + row(j) * num_groups;
+              for (int64_t g = 0; g < num_groups; ++g) total[i][j] += row_zeros[g] * x_sums[(m0 + i) * num_groups + g];
+            }
         });
   }
 #endif

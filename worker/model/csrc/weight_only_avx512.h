@@ -149,6 +149,51 @@ inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], cons
   sum_each(sum, sums);
 }
 
+// int4_row_tile's sums for kR rows of x (2 or 3, in the nibble-split order, `x_stride` apart):
+// sums[i][j] = sum over groups g of scales[j][g] * x_ig . q_jg. Each widened nibble feeds kR
+// rows, where the dequantizing tile spends a multiply-add on it first and widens each byte
+// twice. The per-group totals live in memory, touched once a group, which leaves the registers
+// to kR x kCols accumulators.
+template <int64_t kR>
+inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* const rows[kCols],
+                           const float* const scales[kCols], int64_t in_features, int64_t group_size,
+                           float sums[kRows][kCols]) {
+  static_assert(kR >= 2 && kR <= kRows, "one row takes int4_row_tile");
+  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kStep / 2);
+  alignas(64) float totals[kR][kCols][kLanes] = {};
+  for (int64_t g0 = 0; g0 < in_features; g0 += group_size) {
+    __m512 acc[kR][kCols];
+    for (int64_t i = 0; i < kR; ++i)
+      for (int64_t j = 0; j < kCols; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = g0; k < g0 + group_size; k += kStep) {
+      next_tile.step(k / kStep);
+      const int64_t at = k / 2;
+      for (int64_t j = 0; j < kCols; ++j) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + at)));
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        for (int64_t i = 0; i < kR; ++i) {
+          const float* xr = x + i * x_stride + k;
+          acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + kLanes), high,
+                                      _mm512_fmadd_ps(_mm512_loadu_ps(xr), low, acc[i][j]));
+        }
+      }
+    }
+    const int64_t g = g0 / group_size;
+    for (int64_t j = 0; j < kCols; ++j) {
+      const __m512 scale = _mm512_set1_ps(scales[j][g]);
+      for (int64_t i = 0; i < kR; ++i)
+        _mm512_store_ps(totals[i][j], _mm512_fmadd_ps(acc[i][j], scale, _mm512_load_ps(totals[i][j])));
+    }
+  }
+  for (int64_t i = 0; i < kR; ++i) {
+    __m512 row_totals[kCols];
+    for (int64_t j = 0; j < kCols; ++j) row_totals[j] = _mm512_load_ps(totals[i][j]);
+    sum_each(row_totals, sums[i]);
+  }
+}
+
 #if defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16_NIBBLES 1
 // A single row of x by INT4 weights through bf16 dot products (vdpbf16ps: 32 products a
