@@ -83,12 +83,14 @@ def test_our_kernels_on_ragged_tiles(bits, group_size):
     rows and weight rows (98 = 24 x 4 + 2 = 12 x 8 + 2) must still match the dequantized
     reference, on both sides of the row counts where a call switches to float32 panels (15 and 18
     rows on AVX2; on AVX-512, where K is whole blocks of 64, whose panels are filled by
-    transposing bytes, 5 for INT8 and for INT4 10 in groups of 128, 6 in shorter ones, else 12
-    and 16), through INT4's tiles of one, two and three rows, and for INT4 in the nibble-split orders
+    transposing bytes, 5 for INT8 and for INT4 10 in groups of 128, 6 in groups of 32, 3 in
+    groups of 8; else 12 and 16), through INT4's tiles of one, two and three rows, and for INT4
+    in the nibble-split orders
     (groups of whole runs of 16 or 32) and out of them (groups of 8). K = 264 is not a whole
-    number of the AVX-512 tiles' 32-feature steps: those calls take the AVX2 tiles and fills."""
+    number of the AVX-512 tiles' 32-feature steps: those calls take the AVX2 tiles and fills;
+    K = 288 is, but not of the byte fill's 64, so INT4 stays on its AVX-512 tiles up to 12 rows."""
     torch.manual_seed(1)
-    for k in (256, 264) if group_size in (0, 8) else (256,):
+    for k in {0: (256, 264), 8: (256, 264), 32: (256, 288)}.get(group_size, (256,)):
         weight = torch.randn(98, k)
         layer = QuantizedLinear(quantize(weight, bits, group_size or 128), torch.randn(98), path="ours")
         if not layer.path_available("ours", torch.device("cpu")):

@@ -35,7 +35,13 @@ constexpr int64_t kInt4WidenFromRows = 15;
 // tiles of several rows (int4_rows_tile) widen each nibble once for all of them and scale once
 // a group, so they hold out longer where groups are long.
 constexpr int64_t kInt8ByteFillFromRows = 5;
-inline int64_t int4_byte_fill_from_rows(int64_t group_size) { return group_size % 128 == 0 ? 10 : 6; }
+inline int64_t int4_byte_fill_from_rows(int64_t group_size) {
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+  if (group_size % weight_only_avx512::kSplitRun == 0) return group_size % 128 == 0 ? 10 : 6;
+#endif
+  (void)group_size;
+  return 3;  // the dequantizing tiles of the other groups
+}
 
 // Whether the AVX-512 byte-transposing fill takes weights of this many input features.
 inline bool fills_by_bytes(int64_t in_features) {
@@ -265,24 +271,23 @@ void quantized_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int6
 #ifdef HAVE_AVX512_WEIGHT_ONLY
 // The register tiles of weight_only_avx512.h over the whole output; `load(n, k, g)` widens 16
 // weights of row n from feature k (group g), `finish(n, dot)` gives output n from x . those weights.
-// `own_tile(m0, m_count, row, total)`, where given, computes the tiles of up to kOwnRows rows
-// of x instead.
-template <int64_t kOwnRows = 0, typename Load, typename Finish, typename OwnTile = std::nullptr_t>
+// `single_row(m0, row, total)`, where given, computes the tiles of one row of x instead.
+template <typename Load, typename Finish, typename SingleRow = std::nullptr_t>
 void quantized_tiles_avx512(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
                             int64_t group_size, float* out_ptr, Load load, Finish finish,
-                            OwnTile own_tile = nullptr) {
+                            SingleRow single_row = nullptr) {
   namespace wide = weight_only_avx512;
   for_each_output_tile<wide::kRows, wide::kCols>(
       rows, out_features, out_ptr,
       [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
         auto row = [&](int64_t j) { return std::min(n0 + j, out_features - 1); };
-        if constexpr (!std::is_same_v<OwnTile, std::nullptr_t>)
-          if (m_count <= kOwnRows) return own_tile(m0, m_count, row, total);
         static_assert(wide::kRows == 3, "one case per row count below");
         if (m_count == 3)
           wide::tile<3>(x_ptr, in_features, group_size, m0, row, total, load, finish);
         else if (m_count == 2)
           wide::tile<2>(x_ptr, in_features, group_size, m0, row, total, load, finish);
+        else if constexpr (!std::is_same_v<SingleRow, std::nullptr_t>)
+          single_row(m0, row, total);
         else
           wide::tile<1>(x_ptr, in_features, group_size, m0, row, total, load, finish);
       });
@@ -325,14 +330,14 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
 #endif
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   if (in_features % weight_only_avx512::kStep == 0)
-    return quantized_tiles_avx512<1>(
+    return quantized_tiles_avx512(
         x.data_ptr<float>(), x.size(0), in_features, out_features, in_features, out.data_ptr<float>(),
         [&](int64_t n, int64_t k, int64_t) {
           if (k % weight_only_avx512::kStep == 0) weight_only_avx512::prefetch_ahead(q + n * in_features + k);
           return weight_only_avx512::widen_int8(q + n * in_features + k);
         },
         [&](int64_t n, float dot_q) { return s[n] * dot_q; },
-        [&](int64_t m0, int64_t, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
+        [&](int64_t m0, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
           constexpr int64_t kCols = weight_only_avx512::kCols;
           const int8_t* row_weights[kCols];
           for (int64_t j = 0; j < kCols; ++j) row_weights[j] = q + row(j) * in_features;
@@ -400,41 +405,34 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
       x_sums[m * num_groups + g] = sum;
     }
 #ifdef HAVE_AVX512_WEIGHT_ONLY
-  // Each weight dequantized in registers (the dequant path's value, q * scale + zero), so one
-  // reduction per output ends all of K rather than one per group; a single row scales each
-  // group's x_g . q_g instead (int4_row_tile) and adds the zero-point term at the end.
-  constexpr int64_t kWideRun = weight_only_avx512::kSplitRun;
-  static_assert(kWideRun == weight_only_avx512::kStep, "a step is one run of split nibbles");
-  if (group_size % kWideRun == 0) {
+  // Each tile accumulates every group's x_g . q_g on the raw nibbles, in the nibble-split order,
+  // scales it once per group and adds the zero-point term at the end (int4_row_tile for one row,
+  // int4_rows_tile for two or three).
+  namespace wide = weight_only_avx512;
+  static_assert(wide::kSplitRun == wide::kStep, "a step is one run of split nibbles");
+  if (group_size % wide::kSplitRun == 0) {
 #ifdef HAVE_AVX512_BF16_NIBBLES
     // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through bf16
     // dot products (int4_row_tile_bf16), prepared once for all its tiles; only the rows before it
     // are split for the float tiles.
-    const bool bf16_row = group_size % weight_only_avx512::kNibbleRun == 0 && rows % weight_only_avx512::kRows == 1;
-    const weight_only_avx512::NibbleRowX last_row =
-        bf16_row ? weight_only_avx512::split_x_bf16(x_ptr + (rows - 1) * in_features, in_features, group_size)
-                 : weight_only_avx512::NibbleRowX{};
+    const bool bf16_row = group_size % wide::kNibbleRun == 0 && rows % wide::kRows == 1;
+    const wide::NibbleRowX last_row =
+        bf16_row ? wide::split_x_bf16(x_ptr + (rows - 1) * in_features, in_features, group_size) : wide::NibbleRowX{};
 #else
     constexpr bool bf16_row = false;
 #endif
-    const std::vector<float> split_x = split_features<kWideRun>(x_ptr, rows - (bf16_row ? 1 : 0), in_features);
-    return quantized_tiles_avx512<weight_only_avx512::kRows>(
-        split_x.data(), rows, in_features, out_features, group_size, out.data_ptr<float>(),
-        [&](int64_t n, int64_t k, int64_t g) {
-          if (k % kWideRun == 0) weight_only_avx512::prefetch_ahead(row_of(n) + k / 2);
-          const int64_t at = n * num_groups + g;
-          return _mm512_fmadd_ps(weight_only_avx512::widen_int4_split(row_of(n) + (k & ~(kWideRun - 1)) / 2, k),
-                                 _mm512_set1_ps(s[at]), _mm512_set1_ps(z[at]));
-        },
-        [](int64_t, float dot) { return dot; },
-        [&](int64_t m0, int64_t m_count, auto& row, float total[weight_only_avx512::kRows][weight_only_avx512::kCols]) {
-          namespace wide = weight_only_avx512;
+    const std::vector<float> split_x = split_features<wide::kSplitRun>(x_ptr, rows - (bf16_row ? 1 : 0), in_features);
+    return for_each_output_tile<wide::kRows, wide::kCols>(
+        rows, out_features, out.data_ptr<float>(),
+        [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
           constexpr int64_t kCols = wide::kCols;
+          int64_t rows_of[kCols];
           const uint8_t* row_weights[kCols];
           const float* row_scales[kCols];
           for (int64_t j = 0; j < kCols; ++j) {
-            row_weights[j] = row_of(row(j));
-            row_scales[j] = s + row(j) * num_groups;
+            rows_of[j] = std::min(n0 + j, out_features - 1);
+            row_weights[j] = row_of(rows_of[j]);
+            row_scales[j] = s + rows_of[j] * num_groups;
           }
           const float* x_rows = split_x.data() + m0 * in_features;
           static_assert(wide::kRows == 3, "one case per row count below");
@@ -450,7 +448,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
             wide::int4_row_tile(x_rows, row_weights, row_scales, in_features, group_size, total[0]);
           for (int64_t i = 0; i < m_count; ++i)
             for (int64_t j = 0; j < kCols; ++j) {
-              const float* row_zeros = z + row(j) * num_groups;
+              const float* row_zeros = z + rows_of[j] * num_groups;
               for (int64_t g = 0; g < num_groups; ++g) total[i][j] += row_zeros[g] * x_sums[(m0 + i) * num_groups + g];
             }
         });

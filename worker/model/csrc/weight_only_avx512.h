@@ -60,11 +60,6 @@ inline __m512 widen_int8(const int8_t* q) {
 // the low half (k % 32 == 0) is feature 2i (the low nibble of byte i), lane i of the high half
 // (k % 32 == 16) feature 2i + 1; x is put in the same order (split_features<kSplitRun>).
 constexpr int64_t kSplitRun = 2 * kLanes;
-inline __m512 widen_int4_split(const uint8_t* run, int64_t k) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
-  return _mm512_cvtepi32_ps(k % kSplitRun ? _mm512_srli_epi32(bytes, 4)
-                                          : _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
-}
 
 // sums[j] = the sum of acc[j]'s 16 lanes, for the 8 accumulators of one row of a tile: halving
 // all 8 together takes about 3 instructions per accumulator where one reduction each takes 8.
@@ -150,10 +145,10 @@ inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], cons
 }
 
 // int4_row_tile's sums for kR rows of x (2 or 3, in the nibble-split order, `x_stride` apart):
-// sums[i][j] = sum over groups g of scales[j][g] * x_ig . q_jg. Each widened nibble feeds kR
-// rows, where the dequantizing tile spends a multiply-add on it first and widens each byte
-// twice. The per-group totals live in memory, touched once a group, which leaves the registers
-// to kR x kCols accumulators.
+// sums[i][j] = sum over groups g of scales[j][g] * x_ig . q_jg. Each widened nibble feeds all
+// kR rows, and no weight is dequantized (the scale waits for the group's end). The per-group
+// totals live in memory, touched once a group, which leaves the registers to kR x kCols
+// accumulators.
 template <int64_t kR>
 inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* const rows[kCols],
                            const float* const scales[kCols], int64_t in_features, int64_t group_size,
