@@ -92,6 +92,42 @@ def bench_quantized_linear(repeats: int) -> None:
         print(f"  [{n}x{k}] " + "   ".join(cells))
 
 
+# A model's projections (out, in) once per layer: enough layers that the weights stream from memory.
+INT8_LAYOUT_MODELS = {"tinyllama-shape": ([(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632)], 22),
+                      "bench-small": ([(1024, 512), (512, 512), (2752, 512), (512, 1376)], 8)}
+
+
+def bench_int8_layouts(kernels, passes: int) -> None:
+    """Weight-only INT8 held as [P, K, 16] panels (what an engine on our kernels holds) against
+    the row-major weight, every layer's projections one after another as a step runs them, the
+    two forms' passes alternating so a drifting host hits both."""
+    from worker.model.layers import pack_panels
+    from worker.model.quantization import quantize_int8
+    print("weight-only INT8, held panels / row-major: ratio of median pass times (< 1: panels faster)")
+    for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
+        layers = []
+        for _ in range(num_layers):
+            for n, k in shapes:
+                qw = quantize_int8(torch.randn(n, k) * 0.02)
+                layers.append((qw.qweight, pack_panels(qw.qweight), qw.scales))
+        cells = []
+        for rows in (1, 2, 3, 4, 6, 8, 12, 16, 32):
+            xs = {k: torch.randn(rows, k) for _, k in shapes}
+            outs = {n: torch.empty(rows, n) for n, _ in shapes}
+            def one_pass(form: int) -> float:
+                start = time.perf_counter()
+                for layer in layers:
+                    kernels.linear_small_batch_int8(xs[layer[0].shape[1]], layer[form], layer[2],
+                                                    outs[layer[0].shape[0]])
+                return time.perf_counter() - start
+            times = {0: [], 1: []}
+            for i in range(passes):
+                for form in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    times[form].append(one_pass(form))
+            cells.append(f"{rows}: {statistics.median(times[1]) / statistics.median(times[0]):.2f}")
+        print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
+
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64  # bench-small's attention
 
 
@@ -155,6 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quantized", action="store_true", help="only the quantized linear paths")
+    parser.add_argument("--int8-layouts", action="store_true",
+                        help="only weight-only INT8 held as panels against row-major, per call")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()
@@ -164,11 +202,14 @@ def main() -> None:
     with torch.inference_mode():  # as a worker runs: the float layers' `out=` refuses autograd
         if args.quantized:
             return bench_quantized_linear(args.repeats)
+        if args.int8_layouts:
+            return bench_int8_layouts(kernels, max(2, args.repeats // 2))
         bench_linear(kernels, args.repeats)
         bench_transposed_form(args.repeats)
         bench_decode_attention(kernels, args.repeats)
         bench_prefill_attention(kernels, args.repeats)
         bench_quantized_linear(args.repeats)
+        bench_int8_layouts(kernels, max(2, args.repeats // 2))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 
 from worker.model import cpu_kernels
 from worker.model.int8_activation_panels import to_panels
+from worker.model.layers import pack_panels
 from worker.model.quantization import dequantize, quantize
 
 pytestmark = [pytest.mark.slow,
@@ -67,7 +68,8 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
             want = _rounded(x).double() @ dequantize(qw).double().t()
             torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
     # The weight-only kernels of the same build: register tiles, INT4's nibble-split order (groups
-    # of whole runs of 16) and feature order (groups of 8), and the float32 panel route above them.
+    # of whole runs of 16) and feature order (groups of 8), the float32 panel route above them,
+    # and INT8 panels.
     for bits, group_size in ((8, 0), (4, 128), (4, 32), (4, 8)):
         g = torch.Generator().manual_seed(bits * 100 + group_size)
         qw = quantize(torch.randn(37, 256, generator=g), bits, group_size=group_size or 128)
@@ -80,3 +82,6 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
                 kernels.linear_small_batch_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, out)
             want = x.double() @ dequantize(qw).double().t()
             torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+            if bits == 8:  # INT8 held as the float tiles' panels (widened once above 18 rows on AVX2)
+                kernels.linear_small_batch_int8(x, pack_panels(qw.qweight), qw.scales, out)
+                torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())

@@ -123,6 +123,54 @@ def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_
         torch.testing.assert_close(layer(x), panels, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_features", [256, 264, 40])
+def test_int8_weight_panels_match_the_dequantized_product_at_every_row_count(in_features):
+    """A weight-only INT8 layer held as [P, K, 16] panels (an engine's, on our kernels) runs the
+    float32 panel tiles over them at every row count: within float32 precision of the dequantized
+    product for every count of leftover rows (1-12 rows a tile, two panels a tile) and a ragged
+    last panel (98 = 6 x 16 + 2 outputs); and since each output lane sums its products in one
+    order whatever the tile, a row's result is the same bit for bit alone or among any rows."""
+    torch.manual_seed(2)
+    layer = QuantizedLinear(quantize(torch.randn(98, in_features), 8), torch.randn(98), path="ours")
+    if not layer.path_available("ours", torch.device("cpu")):
+        pytest.skip("our CPU kernels are not built here")
+    reference_weight = dequantize(layer.qw).t()
+    layer.hold_weight_panels()
+    assert layer.held_panels == "weight" and "qweight" not in layer._buffers
+    assert layer.kernel_weight().shape == (7, in_features, 16) and (layer.small_path, layer.path) == ("ours", "ours")
+    x = torch.randn(128, in_features)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    for rows in (1, 2, 3, 5, 8, 11, 12, 13, 23, 24, 25, 40, 128):
+        out = layer(x[:rows])
+        assert_float32_product(out, x[:rows] @ reference_weight + layer.bias)
+        assert torch.equal(out[:40], alone[:rows])
+
+
+def test_int8_weight_panels_save_load_and_switch_layouts(weight):
+    """Held as panels, the layer still reads and saves its row-major weight, loads a saved state
+    back into its panels, and switches to int8 activations' own panels where those run."""
+    qw = quantize(weight, 8)
+    layer = QuantizedLinear(qw, path="ours")
+    if not layer.path_available("ours", torch.device("cpu")):
+        pytest.skip("our CPU kernels are not built here")
+    x = torch.randn(5, 256)
+    before, saved = layer(x), {name: t.clone() for name, t in layer.state_dict().items()}
+    layer.hold_weight_panels()
+    assert torch.equal(layer.qweight, qw.qweight)
+    assert torch.equal(layer.state_dict()["qweight"], qw.qweight) and "qweight_panels" not in layer.state_dict()
+    other = quantize(torch.randn(96, 256), 8)
+    layer.load_state_dict({"qweight": other.qweight, "scales": other.scales})
+    assert layer.held_panels == "weight" and torch.equal(layer.qweight, other.qweight)
+    assert_float32_product(layer(x), x @ dequantize(other).t())
+    layer.load_state_dict(saved)
+    torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+    if layer.takes_int8_activations():
+        layer.int8_activations = True
+        layer.hold_int8_activation_panels()
+        assert layer.held_panels == "int8_activations" and torch.equal(layer.qweight, saved["qweight"])
+        torch.testing.assert_close(layer(x), before, rtol=0, atol=0.02 * before.abs().max().item())
+
+
 def test_dequant_path_reuses_one_buffer_for_every_layer_of_a_plan(weight):
     plan = QuantizationPlan()
     layer = QuantizedLinear(quantize(weight, 8), plan=plan)
@@ -221,6 +269,8 @@ def test_engine_quantizes_by_config(checkpoints):
     attn, mlp = engine.model.layers[0].self_attn, engine.model.layers[0].mlp
     assert isinstance(attn.qkv_proj, QuantizedLinear) and attn.qkv_proj.bits == 8
     assert isinstance(mlp.down_proj, QuantizedLinear) and mlp.down_proj.bits == 4
+    if cpu_kernels.load() is not None:  # weight-only INT8 on our kernels holds the float tiles' panels
+        assert attn.qkv_proj.held_panels == "weight" and mlp.down_proj.held_panels is None
     assert engine.quantization_report.saved_bytes > 0
     with pytest.raises(ValueError, match="quantization must be one of"):
         Engine.from_model_dir(checkpoints["qwen2"], num_kv_blocks=32, quantization="int3")

@@ -31,7 +31,7 @@ from worker.model.placement import WeightPlacement, attach_placement, plan_weigh
 from worker.model.quantization import QuantizedLinear
 from worker.model.quantize_model import QuantizationReport, quantize_model
 from worker.model.quantized_checkpoint import quantization_config
-from worker.model.step_weights import gather_step_weights, use_int8_activations
+from worker.model.step_weights import gather_step_weights, hold_weight_panels, use_int8_activations
 from worker.model.transformer import Transformer
 from worker.model.weights import load_model
 from worker.model_runner import ModelRunner
@@ -111,8 +111,11 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
         if report is not None:
             report.count_paths(model)  # now ours at every size
     # The weight-only layers' too (int8 activations gathered theirs); not on_demand's, whose layer
-    # slots copy from the tensors it already holds (an arena would be a second copy).
+    # slots copy from the tensors it already holds (an arena would be a second copy, and a layout
+    # of their own would not match the slots').
     if target.device.type == "cpu" and config.load_mode != "on_demand":
+        if hold_weight_panels(model) and report is not None:
+            report.count_paths(model)  # now ours at every size
         gather_step_weights([m for m in model.modules() if isinstance(m, QuantizedLinear)])
     # Chosen once, over the final weights and after calibration (whose hooks need the modules);
     # the float Linears it packs then hold only its panels.

@@ -6,8 +6,10 @@ Pure tensor code. The stored formats are our own and device independent:
   per-group `scales` and `zeros` [N, K/G]: w ~ q * scale + zero, q in 0..15 (asymmetric),
   or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
-float in registers, CPU only; or, opted in by `use_int8_activations` (worker/model/step_weights.py),
-quantize the activations per 32-block to int8 and take integer dot products), "kernel" (torch's packed matmuls) or
+float in registers, CPU only; weight-only INT8 layers an engine serves hold their weight as the
+float tiles' panels, `hold_weight_panels`; or, opted in by `use_int8_activations`
+(worker/model/step_weights.py), quantize the activations per 32-block to int8 and take integer
+dot products), "kernel" (torch's packed matmuls) or
 "dequant" (rebuild the float weight into a reused buffer, then the float matmul). A
 `QuantizationPlan`, one per model, gives decode-sized steps our kernel wherever it runs (else
 the faster of the others), times the paths (`choose_path`, worker/model/path_choice.py) on each
@@ -25,6 +27,7 @@ from torch import nn
 
 from worker.model import cpu_kernels
 from worker.model.int8_activation_panels import from_panels, host_layout_is_output_major, to_panels
+from worker.model.layers import pack_panels, unpack_panels
 # `choose_path` is called through this module's namespace (tests replace it here).
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
 
@@ -140,9 +143,10 @@ class QuantizedLinear(nn.Module):
     `plan` is the model's QuantizationPlan (a layer made on its own gets a plan of its own).
 
     With int8 activations (`use_int8_activations`) the weight is held as the panels those kernels
-    read (worker/model/int8_activation_panels.py) instead of row-major: one copy, not two.
-    Reading `qweight` then rebuilds the row-major weight each time (a read-only copy), and
-    `state_dict()` still saves it row-major."""
+    read (worker/model/int8_activation_panels.py) instead of row-major: one copy, not two; a
+    weight-only INT8 layer an engine serves on our kernels holds it as the float tiles' panels
+    (`hold_weight_panels`). Reading `qweight` then rebuilds the row-major weight each time (a
+    read-only copy), and `state_dict()` still saves it row-major."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                  path: str = "dequant", input_scale: torch.Tensor | None = None,
@@ -162,6 +166,7 @@ class QuantizedLinear(nn.Module):
         self.small_path = path  # for up to SMALL_ROWS rows
         self.int8_activations = False  # set by `use_int8_activations`
         self.in_arena = False  # set by `gather_step_weights`
+        self.held_panels: str | None = None  # the layout of `qweight_panels` where held: "weight" or "int8_activations"
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
@@ -180,7 +185,7 @@ class QuantizedLinear(nn.Module):
                    input_scale=torch.empty(k) if has_input_scale else None)
 
     def kernel_weight(self) -> torch.Tensor:
-        """The weight as our kernels take it: the int8-activation panels where held, else qweight."""
+        """The weight as our kernels take it: its panels where held (`held_panels`), else qweight."""
         panels = self._buffers.get("qweight_panels")
         return self.qweight if panels is None else panels
 
@@ -195,11 +200,30 @@ class QuantizedLinear(nn.Module):
         kernels take them (AVX-512 VNNI), also hold the scales' group columns (an eighth of the
         INT4 weight's bytes at groups of 128), which they read instead of gathering per group. The
         panels are in the layout this host's kernels read (output-major with AVX-512 VNNI)."""
-        if "qweight_panels" in self._buffers:
+        if self.held_panels == "int8_activations":
             return
-        panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
-        del self._buffers["qweight"]
+        self._hold_panels("int8_activations", to_panels(self.qweight, self.bits, self.in_features, self.group_size))
+        if host_layout_is_output_major():
+            self.register_buffer("scale_columns",
+                                 cpu_kernels.load().int8_activation_group_columns(self.scales, self.zeros),
+                                 persistent=False)
+
+    def hold_weight_panels(self) -> None:
+        """Hold a weight-only INT8 weight as [ceil(N / 16), K, 16] int8 panels (`pack_panels`: for
+        each input feature, 16 outputs' weights side by side) and drop the row-major copy; our
+        kernel widens them in registers inside the float32 panel tiles, so a call of a few rows
+        passes each weight once through every row's FMA with nothing laid out per call, and
+        scales each output once at the end. Every step size then runs our kernel."""
+        if self.bits != 8 or self.int8_activations or self.held_panels is not None:
+            return
+        self._hold_panels("weight", pack_panels(self.qweight))
+        self.small_path = self.path = "ours"
+
+    def _hold_panels(self, layout: str, panels: torch.Tensor) -> None:
+        self._buffers.pop("qweight_panels", None)  # the other layout's, where held
+        self._buffers.pop("qweight", None)
         self.register_buffer("qweight_panels", panels, persistent=False)
+        self.held_panels = layout
         if self.in_arena:
             # Out of the arena (whose row-major weights would otherwise stay alive through these
             # views), to be gathered again with the panels.
@@ -207,13 +231,12 @@ class QuantizedLinear(nn.Module):
                 if self._buffers.get(name) is not None:
                     self._buffers[name] = self._buffers[name].clone()
             self.in_arena = False
-        if host_layout_is_output_major():
-            self.register_buffer("scale_columns",
-                                 cpu_kernels.load().int8_activation_group_columns(self.scales, self.zeros),
-                                 persistent=False)
 
-    def _row_major_from_panels(self) -> torch.Tensor:
-        return from_panels(self._buffers["qweight_panels"], self.bits, self.shape, self.group_size)
+    def _row_major_from_panels(self, panels: torch.Tensor | None = None, layout: str | None = None) -> torch.Tensor:
+        panels = self._buffers["qweight_panels"] if panels is None else panels
+        if (layout or self.held_panels) == "weight":
+            return unpack_panels(panels, self.out_features)
+        return from_panels(panels, self.bits, self.shape, self.group_size)
 
     def __getattr__(self, name: str):
         if name == "qweight" and "qweight_panels" in self._buffers:
@@ -238,9 +261,10 @@ class QuantizedLinear(nn.Module):
             return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._buffers.pop("scale_columns", None)  # made again from the loaded scales
         # Loaded row-major, as saved, then held as panels again.
-        self.register_buffer("qweight", from_panels(panels, self.bits, self.shape, self.group_size))
+        layout, self.held_panels = self.held_panels, None
+        self.register_buffer("qweight", self._row_major_from_panels(panels, layout))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.hold_int8_activation_panels()
+        self.hold_int8_activation_panels() if layout == "int8_activations" else self.hold_weight_panels()
 
     @property
     def qw(self) -> QuantizedWeight:
@@ -291,7 +315,7 @@ class QuantizedLinear(nn.Module):
         if self.bits == 8 and self.int8_activations:
             kernels.linear_int8_weights_int8_activations(x, self.kernel_weight(), self.kernel_scales(), out)
         elif self.bits == 8:
-            kernels.linear_small_batch_int8(x, self.qweight, self.scales, out)
+            kernels.linear_small_batch_int8(x, self.kernel_weight(), self.scales, out)
         elif self.int8_activations:
             kernels.linear_int4_weights_int8_activations(x, self.kernel_weight(), self.kernel_scales(), self.zeros,
                                                          self.group_size, out)

@@ -1,5 +1,6 @@
 """How a model's quantized layers hold what each decode step reads: switched to int8 activations
-(`use_int8_activations`: their weight as those kernels' panels), and every such tensor gathered
+(`use_int8_activations`: their weight as those kernels' panels), weight-only INT8 layers' weight
+as the float tiles' panels (`hold_weight_panels`), and every such tensor gathered
 into one allocation (`gather_step_weights`, worker/model/weight_arena.py) so that, with huge
 pages on, a step streams its weights from 2 MiB pages."""
 from __future__ import annotations
@@ -25,11 +26,23 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
     return len(switched), len(layers)
 
 
+def hold_weight_panels(model: nn.Module) -> int:
+    """Hold the weight of every weight-only INT8 layer our kernels run as the panels they read
+    (`QuantizedLinear.hold_weight_panels`); the layers held."""
+    held = 0
+    for layer in model.modules():
+        if (isinstance(layer, QuantizedLinear) and layer.bits == 8 and not layer.int8_activations
+                and layer.path_available("ours", layer.scales.device)):
+            layer.hold_weight_panels()
+            held += 1
+    return held
+
+
 def gather_step_weights(layers: list[QuantizedLinear]) -> None:
     """Hold what each decode step reads of these layers (on the CPU, not yet in an arena) in one
     allocation (worker/model/weight_arena.py: with huge pages on, all of it on 2 MiB pages): the
     int8-activation panels and group columns where held (else their scales and zeros), or the
-    weight-only layers' qweight, scales and zeros."""
+    weight-only layers' weight (panels or row-major), scales and zeros."""
     layers = list({id(layer): layer for layer in layers
                    if not layer.in_arena and layer.scales.device.type == "cpu"}.values())
     def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:

@@ -212,7 +212,7 @@ void quantized_through_panels(const float* x_ptr, int64_t rows, int64_t in_featu
     float* panels = aligned_floats(storage, kPanelPair * in_features * kPanel);
     float* table = aligned_floats(table_storage, table_floats);
     for (int64_t p = begin; p < end;) {
-      const PanelRun run = panel_run(p, end, out_features, true);
+      const PanelRun run = panel_run(p, end, out_features, kPanelPair);
       for (int64_t slot = 0; slot < run.count; ++slot) {  // panel p + slot dequantized into its place
         const int64_t n0 = (p + slot) * kPanel;
         fill(n0, std::min(kPanel, out_features - n0), panels + slot * in_features * kPanel, table);
@@ -303,8 +303,21 @@ void check_quantized_args(const at::Tensor& x, const at::Tensor& scales, const a
               out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
 }
 
-// x [M, K] float32, qweight [N, K] int8, scales [N] float32 -> out [M, N].
+// x [M, K] float32, qweight [N, K] int8 or [ceil(N / 16), K, 16] int8 panels (pack_panels in
+// worker/model/layers.py), scales [N] float32 -> out [M, N]. Panels run the float32 panel
+// tiles, each weight widened in registers and each output scaled once at the end, at every
+// row count: the same arithmetic as a float32 weight, from a quarter of its bytes.
 void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out) {
+  if (qweight.dim() == 3) {
+    TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && qweight.size(1) == x.size(1) &&
+                qweight.size(2) == kPanel, "qweight panels: contiguous int8 [P, K, 16]");
+    const int64_t out_features = out.size(1);
+    check_quantized_args(x, scales, out, out_features);
+    TORCH_CHECK((out_features + kPanel - 1) / kPanel == qweight.size(0) && scales.numel() == out_features,
+                "panels and scales must match out");
+    return linear_panels(x.data_ptr<float>(), qweight.data_ptr<int8_t>(), out.data_ptr<float>(), x.size(0),
+                         x.size(1), out_features, qweight.size(0), scales.data_ptr<float>());
+  }
   TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && qweight.size(1) == x.size(1),
               "qweight: contiguous int8 [N, K]");
   const int64_t in_features = x.size(1), out_features = qweight.size(0);

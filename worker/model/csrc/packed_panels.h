@@ -1,5 +1,6 @@
-// The packed-panel float32 linear's tiles (linear_packed in linear.cpp, and the weight-only
-// quantized calls of many rows that widen their weights into float32 panels): the panel layout,
+// The packed-panel float32 linear's tiles (linear_packed in linear.cpp, weight-only INT8 held as
+// panels, and the weight-only quantized calls of many rows that widen their row-major weights
+// into float32 panels): the panel layout,
 // the register tiles for AVX-512, AVX2 and no vector extensions, and the loop of row tiles over
 // a panel and of panels over threads.
 #pragma once
@@ -17,11 +18,12 @@
 
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
 // packed [ceil(N / kPanel), K, kPanel] (zero padded), so that for each k the panel's kPanel
-// weights are one contiguous row (64 bytes in float32, 32 in bfloat16). A register tile of up
+// weights are one contiguous row (64 bytes in float32, 32 in bfloat16, 16 in int8). A register tile of up
 // to kPanelRows rows of x times one panel keeps 2 x kPanelRows AVX2 accumulators over the whole
 // of K: each step loads two weight vectors (bf16 widened to float32 in registers, so the
 // arithmetic is float32 either way), broadcasts one x value per row and issues two FMAs per
-// row. The panel stays in L1/L2 while every row tile of x passes over it, so the weight is read
+// row (an int8 panel row is widened the same way, its scales applied to the sums). The panel
+// stays in L1/L2 while every row tile of x passes over it, so the weight is read
 // from memory once per call whatever the rows. Threads split the panels.
 // With AVX-512 a panel row is one 512-bit vector and a tile takes up to 12 rows of x against two
 // adjacent panels: cores with two full-width FMA units (Zen 5, Intel's server cores) do twice
@@ -62,6 +64,12 @@ inline void load_panel_row(const at::BFloat16* row, __m256& lo, __m256& hi) {
   lo = widen_bf16(_mm256_castsi256_si128(bits));
   hi = widen_bf16(_mm256_extracti128_si256(bits, 1));
 }
+
+inline void load_panel_row(const int8_t* row, __m256& lo, __m256& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)));
+}
 #endif
 
 #ifdef HAVE_AVX512_PANELS
@@ -71,6 +79,10 @@ inline __m512 load_panel_row(const float* row) { return _mm512_loadu_ps(row); }
 inline __m512 load_panel_row(const at::BFloat16* row) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load_panel_row(const int8_t* row) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
 }
 #endif
 
@@ -87,32 +99,32 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
   // kPanels adjacent panels (the last n_count wide; `next` the next run of as many), each
   // broadcast of x feeding one FMA per panel.
   __m512 acc[kPanels][MR];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int q = 0; q < kPanels; ++q)
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) acc[q][i] = _mm512_setzero_ps();
   int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int q = 0; q < kPanels; ++q)
         _mm_prefetch(reinterpret_cast<const char*>(next + (q * in_features + k) * kPanel), _MM_HINT_T1);
       prefetch_k += num_tiles * kRowsPerLine;
     }
     __m512 w[kPanels];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int q = 0; q < kPanels; ++q) w[q] = load_panel_row(panel + (q * in_features + k) * kPanel);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(x[i * in_features + k]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int q = 0; q < kPanels; ++q) acc[q][i] = _mm512_fmadd_ps(a, w[q], acc[q][i]);
     }
   }
   alignas(64) float row[kPanel];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int q = 0; q + 1 < kPanels; ++q) _mm512_storeu_ps(out + i * out_features + q * kPanel, acc[q][i]);
     _mm512_store_ps(row, acc[kPanels - 1][i]);
     std::memcpy(out + i * out_features + (kPanels - 1) * kPanel, row, n_count * sizeof(float));
@@ -157,7 +169,7 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
 #endif
 }
 
-// kPanels: 1, or kPanelPair adjacent panels (the last n_count wide; AVX-512 only).
+// kPanels: 1, or kPanelPair or kPanelQuad adjacent panels (the last n_count wide; AVX-512 only).
 template <int MR, bool kPrefetch, int kPanels, typename W>
 inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
@@ -178,8 +190,9 @@ inline float* aligned_floats(std::vector<float>& storage, int64_t count) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
 }
 
-// A bfloat16 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
-inline void widen_panel(const at::BFloat16* panel, int64_t in_features, float* buffer) {
+// A bfloat16 or int8 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
+template <typename W>
+inline void widen_panel(const W* panel, int64_t in_features, float* buffer) {
 #ifdef HAVE_AVX2_FMA
   for (int64_t k = 0; k < in_features; ++k) {
     __m256 lo, hi;
@@ -212,15 +225,30 @@ inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_feature
   }
 }
 
-// The panels a tile takes from panel p on: a pair where pairs are wanted, built (kPanelPair)
-// and both in this thread's range [p, end), else one; `last_width` is the last one's output
-// features (a ragged last panel of the weight).
+// The panels a tile takes from panel p on: up to `wanted` (1, kPanelPair or kPanelQuad) where
+// built and all in this thread's range [p, end); `last_width` is the last one's output features
+// (a ragged last panel of the weight).
 struct PanelRun {
   int64_t count, last_width;
 };
 
-inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, bool pairs) {
-  const int64_t count = pairs && kPanelPair == 2 && p + 1 < end ? 2 : 1;
+#ifdef HAVE_AVX512_PANELS
+// Int8 calls of up to kQuadMaxRows rows take four panels a tile: a row's tile has one FMA chain
+// per panel, and with an int8 weight's bytes coming four times as fast as float32's, two chains'
+// latency bounds the tile once the weight is in cache or memory is fast.
+constexpr int64_t kPanelQuad = 4;
+constexpr int kQuadMaxRows = 2;
+#else
+constexpr int64_t kPanelQuad = 1;
+constexpr int kQuadMaxRows = 0;
+#endif
+
+inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t wanted) {
+  int64_t count = 1;
+  if (wanted >= 4 && kPanelQuad == 4 && p + 3 < end)
+    count = 4;
+  else if (wanted >= 2 && kPanelPair == 2 && p + 1 < end)
+    count = 2;
   return {count, std::min(kPanel, out_features - (p + count - 1) * kPanel)};
 }
 
@@ -228,6 +256,15 @@ inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, bool pai
 template <typename W>
 inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows, int64_t in_features, const W* panel,
                           float* out_ptr, int64_t out_features, bool prefetch, const W* next) {
+#ifdef HAVE_AVX512_PANELS
+  if (run.count == kPanelQuad) {  // rows <= kQuadMaxRows: one tile
+    if (prefetch)
+      return panel_rows<kQuadMaxRows, true, kPanelQuad>(x_ptr, in_features, panel, out_ptr, out_features,
+                                                        run.last_width, rows, next, 0, 1);
+    return panel_rows<kQuadMaxRows, false, kPanelQuad, W>(x_ptr, in_features, panel, out_ptr, out_features,
+                                                          run.last_width, rows, nullptr, 0, 1);
+  }
+#endif
   if (run.count == 2)
     panel_over_rows<kPanelPair>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch,
                                 next);
@@ -235,37 +272,53 @@ inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows,
     panel_over_rows<1>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch, next);
 }
 
+// out[m, n0..n0 + width) *= column_scales[n0..] for every row m.
+inline void scale_columns(float* out_ptr, int64_t rows, int64_t out_features, int64_t n0, int64_t width,
+                          const float* column_scales) {
+  for (int64_t m = 0; m < rows; ++m) {
+    float* row = out_ptr + m * out_features + n0;
+#pragma omp simd
+    for (int64_t j = 0; j < width; ++j) row[j] *= column_scales[n0 + j];
+  }
+}
+
 template <typename W>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
-                   int64_t out_features, int64_t num_panels) {
+                   int64_t out_features, int64_t num_panels, const float* column_scales = nullptr) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
   const bool prefetch = rows <= kPrefetchMaxRows;
-  // A bfloat16 panel that several row tiles pass over is widened once into a float32 copy that
-  // stays in L2, rather than once per row tile in registers: the widening, not the FMAs, bounds
-  // a tile on AVX2. The float32 copy holds the same values, so the result is the same.
-  constexpr bool kWidenable = std::is_same_v<W, at::BFloat16>;
+  // A bfloat16 or int8 panel that several row tiles pass over is widened once into a float32
+  // copy that stays in L2, rather than once per row tile in registers: the widening, not the
+  // FMAs, bounds a tile on AVX2. The float32 copy holds the same values, so the result is the same.
+  constexpr bool kWidenable = !std::is_same_v<W, float>;
   const bool widen = kWidenable && rows > kWidenFromRows;
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better.
   const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows);
+  const int64_t wanted = !pairs ? 1 : std::is_same_v<W, int8_t> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
   at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
     float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
     for (int64_t p = begin; p < end;) {
       const W* panel = p_ptr + p * in_features * kPanel;
-      const PanelRun run = panel_run(p, end, out_features, pairs);
+      const PanelRun run = panel_run(p, end, out_features, wanted);
       float* out = out_ptr + p * kPanel;
+      bool widened_run = false;
       if constexpr (kWidenable) {
         if (widen) {
           widen_panel(panel, in_features, widened);
           run_over_rows<float>(run, x_ptr, rows, in_features, widened, out, out_features, false, nullptr);
-          p += run.count;
-          continue;
+          widened_run = true;
         }
       }
-      // The next run's panels; a prefetch past this thread's range or the tensor never faults.
-      const W* next = p + run.count < end ? panel + run.count * in_features * kPanel : nullptr;
-      run_over_rows(run, x_ptr, rows, in_features, panel, out, out_features, prefetch, next);
+      if (!widened_run) {
+        // The next run's panels; a prefetch past this thread's range or the tensor never faults.
+        const W* next = p + run.count < end ? panel + run.count * in_features * kPanel : nullptr;
+        run_over_rows(run, x_ptr, rows, in_features, panel, out, out_features, prefetch, next);
+      }
+      if (column_scales != nullptr)
+        scale_columns(out_ptr, rows, out_features, p * kPanel, (run.count - 1) * kPanel + run.last_width,
+                      column_scales);
       p += run.count;
     }
   });
