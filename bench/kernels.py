@@ -209,7 +209,6 @@ def main() -> None:
         bench_decode_attention(kernels, args.repeats)
         bench_prefill_attention(kernels, args.repeats)
         bench_quantized_linear(args.repeats)
-        bench_int8_layouts(kernels, max(2, args.repeats // 2))
 
 
 if __name__ == "__main__":

@@ -124,20 +124,25 @@ def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_
 
 
 @pytest.mark.parametrize("in_features", [256, 264, 40])
-def test_int8_weight_panels_match_the_dequantized_product_at_every_row_count(in_features):
+@pytest.mark.parametrize("out_features", [98, 114])
+def test_int8_weight_panels_match_the_dequantized_product_at_every_row_count(in_features, out_features):
     """A weight-only INT8 layer held as [P, K, 16] panels (an engine's, on our kernels) runs the
     float32 panel tiles over them at every row count: within float32 precision of the dequantized
-    product for every count of leftover rows (1-12 rows a tile, two panels a tile) and a ragged
-    last panel (98 = 6 x 16 + 2 outputs); and since each output lane sums its products in one
-    order whatever the tile, a row's result is the same bit for bit alone or among any rows."""
+    product for every count of leftover rows (1-12 rows a tile; four panels a tile at 1-2 rows on
+    AVX-512, else two) and a ragged last panel (2 outputs wide) alone in its tile (98 outputs: 7
+    panels) or the last of a tile of four or two (114: 8 panels); and since each output lane sums
+    its products in one order whatever the tile, a row's result is the same bit for bit alone or
+    among any rows."""
     torch.manual_seed(2)
-    layer = QuantizedLinear(quantize(torch.randn(98, in_features), 8), torch.randn(98), path="ours")
+    layer = QuantizedLinear(quantize(torch.randn(out_features, in_features), 8), torch.randn(out_features),
+                            path="ours")
     if not layer.path_available("ours", torch.device("cpu")):
         pytest.skip("our CPU kernels are not built here")
     reference_weight = dequantize(layer.qw).t()
     layer.hold_weight_panels()
     assert layer.held_panels == "weight" and "qweight" not in layer._buffers
-    assert layer.kernel_weight().shape == (7, in_features, 16) and (layer.small_path, layer.path) == ("ours", "ours")
+    assert layer.kernel_weight().shape == (-(-out_features // 16), in_features, 16)
+    assert (layer.small_path, layer.path) == ("ours", "ours")
     x = torch.randn(128, in_features)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
     for rows in (1, 2, 3, 5, 8, 11, 12, 13, 23, 24, 25, 40, 128):

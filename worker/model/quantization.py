@@ -213,8 +213,10 @@ class QuantizedLinear(nn.Module):
         each input feature, 16 outputs' weights side by side) and drop the row-major copy; our
         kernel widens them in registers inside the float32 panel tiles, so a call of a few rows
         passes each weight once through every row's FMA with nothing laid out per call, and
-        scales each output once at the end. Every step size then runs our kernel."""
-        if self.bits != 8 or self.int8_activations or self.held_panels is not None:
+        scales each output once at the end. Every step size then runs our kernel. Only where our
+        kernels run this layer (`path_available("ours")`); elsewhere nothing changes."""
+        if (self.bits != 8 or self.int8_activations or self.held_panels is not None
+                or not self.path_available("ours", self.scales.device)):
             return
         self._hold_panels("weight", pack_panels(self.qweight))
         self.small_path = self.path = "ours"

@@ -28,14 +28,11 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
 
 def hold_weight_panels(model: nn.Module) -> int:
     """Hold the weight of every weight-only INT8 layer our kernels run as the panels they read
-    (`QuantizedLinear.hold_weight_panels`); the layers held."""
-    held = 0
-    for layer in model.modules():
-        if (isinstance(layer, QuantizedLinear) and layer.bits == 8 and not layer.int8_activations
-                and layer.path_available("ours", layer.scales.device)):
-            layer.hold_weight_panels()
-            held += 1
-    return held
+    (`QuantizedLinear.hold_weight_panels`); the layers that hold them now."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.hold_weight_panels()
+    return sum(layer.held_panels == "weight" for layer in layers)
 
 
 def gather_step_weights(layers: list[QuantizedLinear]) -> None:
