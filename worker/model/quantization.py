@@ -209,12 +209,9 @@ class QuantizedLinear(nn.Module):
                                  persistent=False)
 
     def hold_weight_panels(self) -> None:
-        """Hold a weight-only INT8 weight as [ceil(N / 16), K, 16] int8 panels (`pack_panels`: for
-        each input feature, 16 outputs' weights side by side) and drop the row-major copy; our
-        kernel widens them in registers inside the float32 panel tiles, so a call of a few rows
-        passes each weight once through every row's FMA with nothing laid out per call, and
-        scales each output once at the end. Every step size then runs our kernel. Only where our
-        kernels run this layer (`path_available("ours")`); elsewhere nothing changes."""
+        """Where our kernels run this layer, hold its weight-only INT8 weight as [ceil(N / 16), K, 16]
+        int8 panels (`pack_panels`) and drop the row-major copy: our kernel widens them inside the
+        float32 panel tiles, nothing laid out per call, and every step size then runs it."""
         if (self.bits != 8 or self.int8_activations or self.held_panels is not None
                 or not self.path_available("ours", self.scales.device)):
             return
@@ -234,9 +231,9 @@ class QuantizedLinear(nn.Module):
                     self._buffers[name] = self._buffers[name].clone()
             self.in_arena = False
 
-    def _row_major_from_panels(self, panels: torch.Tensor | None = None, layout: str | None = None) -> torch.Tensor:
+    def _row_major_from_panels(self, panels: torch.Tensor | None = None) -> torch.Tensor:
         panels = self._buffers["qweight_panels"] if panels is None else panels
-        if (layout or self.held_panels) == "weight":
+        if self.held_panels == "weight":
             return unpack_panels(panels, self.out_features)
         return from_panels(panels, self.bits, self.shape, self.group_size)
 
@@ -263,8 +260,8 @@ class QuantizedLinear(nn.Module):
             return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._buffers.pop("scale_columns", None)  # made again from the loaded scales
         # Loaded row-major, as saved, then held as panels again.
+        self.register_buffer("qweight", self._row_major_from_panels(panels))
         layout, self.held_panels = self.held_panels, None
-        self.register_buffer("qweight", self._row_major_from_panels(panels, layout))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.hold_int8_activation_panels() if layout == "int8_activations" else self.hold_weight_panels()
 
