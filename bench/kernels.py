@@ -98,18 +98,21 @@ INT8_LAYOUT_MODELS = {"tinyllama-shape": ([(2560, 2048), (2048, 2048), (11264, 2
 
 
 def bench_int8_layouts(kernels, passes: int) -> None:
-    """Weight-only INT8 held as [P, K, 16] panels (what an engine on our kernels holds) against
-    the row-major weight, every layer's projections one after another as a step runs them, the
-    two forms' passes alternating so a drifting host hits both."""
+    """Weight-only INT8 held as panels in the kernels' groups (what an engine on our kernels holds)
+    against the row-major weight and against plain [P, K, 16] panels, every layer's projections
+    one after another as a step runs them, the forms' passes alternating so a drifting host hits
+    them all."""
     from worker.model.layers import pack_panels
     from worker.model.quantization import quantize_int8
-    print("weight-only INT8, held panels / row-major: ratio of median pass times (< 1: panels faster)")
+    group = kernels.int8_weight_panel_group()
+    print(f"weight-only INT8 held as panels (groups of {group}): ratio of median pass times against row-major, "
+          "then against plain panels (< 1: held faster)")
     for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
         layers = []
         for _ in range(num_layers):
             for n, k in shapes:
                 qw = quantize_int8(torch.randn(n, k) * 0.02)
-                layers.append((qw.qweight, pack_panels(qw.qweight), qw.scales))
+                layers.append((qw.qweight, pack_panels(qw.qweight), pack_panels(qw.qweight, group), qw.scales))
         cells = []
         for rows in (1, 2, 3, 4, 6, 8, 12, 16, 32):
             xs = {k: torch.randn(rows, k) for _, k in shapes}
@@ -117,14 +120,15 @@ def bench_int8_layouts(kernels, passes: int) -> None:
             def one_pass(form: int) -> float:
                 start = time.perf_counter()
                 for layer in layers:
-                    kernels.linear_small_batch_int8(xs[layer[0].shape[1]], layer[form], layer[2],
+                    kernels.linear_small_batch_int8(xs[layer[0].shape[1]], layer[form], layer[3],
                                                     outs[layer[0].shape[0]])
                 return time.perf_counter() - start
-            times = {0: [], 1: []}
+            times = {0: [], 1: [], 2: []}
             for i in range(passes):
-                for form in ((0, 1) if i % 2 == 0 else (1, 0)):
+                for form in ((0, 1, 2) if i % 2 == 0 else (2, 1, 0)):
                     times[form].append(one_pass(form))
-            cells.append(f"{rows}: {statistics.median(times[1]) / statistics.median(times[0]):.2f}")
+            held = statistics.median(times[2])
+            cells.append(f"{rows}: {held / statistics.median(times[0]):.2f} / {held / statistics.median(times[1]):.2f}")
         print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
 
 

@@ -11,7 +11,7 @@ from paged_steps import random_paged_step
 from worker.model import cpu_kernels
 from worker.model.cpu_fast_path import PackedLinear
 from worker.model.layers import (PANEL, TRANSPOSED_ROWS, WIDE_WEIGHT_RATIO, WIDE_WEIGHT_TRANSPOSED_MAX_ROWS, Linear,
-                                 linear, pack_panels)
+                                 linear, pack_panels, unpack_panels)
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler: the CPU kernels cannot be "
                                                                      "built here")
@@ -50,6 +50,20 @@ def test_pack_panels_layout():
     assert packed.shape == (2, 3, PANEL)
     assert packed[1, 2, 3].item() == weight[PANEL + 3, 2].item()
     assert torch.all(packed[1, :, 4:] == 0)  # the padding past 20 features
+
+
+def test_pack_panels_in_groups_interleaves_each_group_by_input_feature():
+    """Grouped, feature k of a group's panels is one contiguous row (panel after panel), the last
+    group is padded with zero panels, and unpacking gives back the row-major weight."""
+    weight = torch.arange(50 * 3, dtype=torch.float32).view(50, 3)  # 4 panels (the last 2 wide)
+    plain, grouped = pack_panels(weight), pack_panels(weight, group=3)
+    assert grouped.shape == (2, 3, 3, PANEL)
+    for p in range(4):
+        assert torch.equal(grouped[p // 3, :, p % 3], plain[p])
+    assert torch.all(grouped[1, :, 1:] == 0) and torch.all(grouped[1, :, 0, 2:] == 0)
+    assert torch.equal(grouped[1, 2, 0, 1], weight[49, 2])
+    for group in (1, 2, 3, 4, 5):
+        assert torch.equal(unpack_panels(pack_panels(weight, group), 50), weight)
 
 
 def test_linear_module_computes_from_its_weight_as_it_is_now():
@@ -229,7 +243,6 @@ def test_linear_module_repacks_when_its_data_is_swapped():
 
 
 def test_released_linear_keeps_only_panels_and_still_computes_and_reads():
-    from worker.model.layers import unpack_panels
     torch.manual_seed(2)
     layer = Linear(24, 3 * PANEL + 5, bias=True)
     reference = layer.weight.detach().clone()

@@ -126,29 +126,48 @@ def test_many_rows_run_the_float_panels_over_the_dequantized_weight(bits, group_
 @pytest.mark.parametrize("in_features", [256, 264, 40])
 @pytest.mark.parametrize("out_features", [98, 114])
 def test_int8_weight_panels_match_the_dequantized_product_at_every_row_count(in_features, out_features):
-    """A weight-only INT8 layer held as [P, K, 16] panels (an engine's, on our kernels) runs the
-    float32 panel tiles over them at every row count: within float32 precision of the dequantized
-    product for every count of leftover rows (1-12 rows a tile; four panels a tile at 1-2 rows on
-    AVX-512, else two) and a ragged last panel (2 outputs wide) alone in its tile (98 outputs: 7
-    panels) or the last of a tile of four or two (114: 8 panels); and since each output lane sums
-    its products in one order whatever the tile, a row's result is the same bit for bit alone or
-    among any rows."""
+    """A weight-only INT8 layer held as panels (an engine's, on our kernels; on AVX-512 in groups
+    of two interleaved by input feature) runs the float32 panel tiles over them at every row
+    count: within float32 precision of the dequantized product for every count of leftover rows
+    (1-12 rows a tile; four panels a tile at 1-2 rows on AVX-512, else two) and a ragged last
+    panel (2 outputs wide) alone in its tile and in a group padded with a zero panel (98
+    outputs: 7 panels) or the last of a tile of four or two (114: 8 panels); the same bit for
+    bit as the plain [P, K, 16] panels; and since each output lane sums its products in one order
+    whatever the tile, a row's result is the same bit for bit alone or among any rows."""
     torch.manual_seed(2)
     layer = QuantizedLinear(quantize(torch.randn(out_features, in_features), 8), torch.randn(out_features),
                             path="ours")
     if not layer.path_available("ours", torch.device("cpu")):
         pytest.skip("our CPU kernels are not built here")
+    kernels, qweight = cpu_kernels.load(), layer.qweight
     reference_weight = dequantize(layer.qw).t()
     layer.hold_weight_panels()
     assert layer.held_panels == "weight" and "qweight" not in layer._buffers
-    assert layer.kernel_weight().shape == (-(-out_features // 16), in_features, 16)
+    group = kernels.int8_weight_panel_group()
+    assert layer.kernel_weight().shape == pack_panels(qweight, group).shape
+    assert torch.equal(layer.qweight, qweight)
     assert (layer.small_path, layer.path) == ("ours", "ours")
     x = torch.randn(128, in_features)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    plain = pack_panels(qweight)
     for rows in (1, 2, 3, 5, 8, 11, 12, 13, 23, 24, 25, 40, 128):
         out = layer(x[:rows])
         assert_float32_product(out, x[:rows] @ reference_weight + layer.bias)
         assert torch.equal(out[:40], alone[:rows])
+        from_plain = torch.empty(rows, out_features)
+        kernels.linear_small_batch_int8(x[:rows], plain, layer.scales, from_plain)
+        assert torch.equal(out, from_plain + layer.bias)
+
+
+def test_int8_weight_panels_refuse_a_group_the_kernels_do_not_read():
+    qw = quantize(torch.randn(64, 32), 8)
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("our CPU kernels are not built here")
+    with pytest.raises(RuntimeError, match=r"\[G, K, 2, 16\]"):
+        kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 4), qw.scales, torch.empty(1, 64))
+    with pytest.raises(RuntimeError, match="must match out"):
+        kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 2), qw.scales, torch.empty(1, 96))
 
 
 def test_int8_weight_panels_save_load_and_switch_layouts(weight):

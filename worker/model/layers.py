@@ -31,17 +31,24 @@ def _transposed_is_faster(rows: int, weight: torch.Tensor) -> bool:
     return rows in TRANSPOSED_ROWS
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+def pack_panels(weight: torch.Tensor, group: int = 1) -> torch.Tensor:
     """weight [N, K] -> [ceil(N / 16), K, 16]: for each k, a panel's 16 weights side by side
-    (the rows past N are zeros). The layout our packed linear kernel reads."""
+    (the rows past N are zeros). The layout our packed linear kernel reads. With `group` > 1,
+    [ceil(N / (16 group)), K, group, 16]: each run of `group` panels interleaved by k, so that
+    one k of all of them is one contiguous row (the last group padded with zero panels)."""
     out_features, in_features = weight.shape
-    panels = -(-out_features // PANEL)
+    panels = -(-out_features // (PANEL * group)) * group
     padded = F.pad(weight, (0, 0, 0, panels * PANEL - out_features))
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+    packed = padded.view(panels, PANEL, in_features).transpose(1, 2)
+    if group == 1:
+        return packed.contiguous()
+    return packed.reshape(panels // group, group, in_features, PANEL).transpose(1, 2).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of `pack_panels`: [P, K, 16] -> a new [out_features, K] tensor."""
+    """The inverse of `pack_panels`: [P, K, 16] or [G, K, group, 16] -> a new [out_features, K] tensor."""
+    if panels.dim() == 4:
+        panels = panels.transpose(1, 2).reshape(-1, panels.shape[1], PANEL)
     num_panels, in_features, _ = panels.shape
     return panels.transpose(1, 2).reshape(num_panels * PANEL, in_features)[:out_features].contiguous()
 

@@ -209,13 +209,14 @@ class QuantizedLinear(nn.Module):
                                  persistent=False)
 
     def hold_weight_panels(self) -> None:
-        """Where our kernels run this layer, hold its weight-only INT8 weight as [ceil(N / 16), K, 16]
-        int8 panels (`pack_panels`) and drop the row-major copy: our kernel widens them inside the
-        float32 panel tiles, nothing laid out per call, and every step size then runs it."""
+        """Where our kernels run this layer, hold its weight-only INT8 weight as int8 panels
+        (`pack_panels`, grouped as this host's kernels read them best) and drop the row-major
+        copy: our kernel widens them inside the float32 panel tiles, nothing laid out per call,
+        and every step size then runs it."""
         if (self.bits != 8 or self.int8_activations or self.held_panels is not None
                 or not self.path_available("ours", self.scales.device)):
             return
-        self._hold_panels("weight", pack_panels(self.qweight))
+        self._hold_panels("weight", pack_panels(self.qweight, cpu_kernels.load().int8_weight_panel_group()))
         self.small_path = self.path = "ours"
 
     def _hold_panels(self, layout: str, panels: torch.Tensor) -> None:

@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_rms_norm", &head_rms_norm, "per-head RMSNorm of the q and k heads in place in qkv (CPU, float32)");
   m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels, float32 or bfloat16 (CPU, float32 x and out)");
   m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");
+  m.def("int8_weight_panel_group", &int8_weight_panel_group,
+        "weight-only INT8 panels per interleaved group the int8 panel kernels read best (1: plain panels)");
   m.def("decoder_layers", &decoder_layers, py::call_guard<py::gil_scoped_release>(),
         "a step's model up to the head in one call (embedding lookup, every decoder layer: norms, projections, "
         "rotary + KV write, paged attention, gated MLP; the final norm): the final hidden states (CPU, float32)");

@@ -9,7 +9,7 @@
 // run in place in qkv, before the rotary embedding. A projection is a float one (packed panels,
 // float32 or bfloat16) or a quantized one (INT8 per channel, INT4 per group), told apart by its
 // weight's dtype and layout, each through the kernel its layer-by-layer route takes: weight-only
-// (linear.cpp) for row-major weights and INT8's [P, K, 16] panels, int8 activations for their
+// (linear.cpp) for row-major weights and INT8's panels, int8 activations for their
 // own panels (linear_int8_activations.cpp).
 #include "kernels.h"
 #include "vector_math.h"
@@ -21,8 +21,9 @@
 namespace {
 
 // Per projection, in the order the Python side lists them (LayerWeights.one_call_tensors): the
-// weight (float32 or bfloat16 panels; int8 [N, K] or [P, K, 16] panels, uint8 [N, K/2], or either
-// as int8-activation panels, 3-D [T, U, 64] or 4-D), its scales and zeros (quantized
+// weight (float32 or bfloat16 panels; int8 [N, K], [P, K, 16] panels or [G, K, 2, 16] grouped
+// ones, uint8 [N, K/2], or either as int8-activation panels, 3-D [T, U, 64] or 4-D [P, U, 16,
+// 64]), its scales and zeros (quantized
 // only; zeros INT4 only), the input scale x is multiplied by first (quantized only, optional)
 // and the bias (optional).
 enum ProjectionTensor { kWeight, kScales, kZeros, kInputScale, kBias, kNumProjectionTensors };
@@ -61,9 +62,9 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
     const auto& input_scale = layer[first + kInputScale];
     const at::Tensor input = input_scale ? (x * *input_scale) : x.contiguous();
     const at::Tensor& scales = *layer[first + kScales];
-    // Weight-only INT8 panels hold 16 outputs per input feature; the int8-activation layouts'
-    // last dimension is a 64-byte unit.
-    const bool weight_only_panels = weight.dim() == 3 && weight.size(2) == 16;
+    // Weight-only INT8 panels ([P, K, 16] or grouped [G, K, 2, 16]) end in one panel's 16
+    // outputs; the int8-activation layouts' last dimension is a 64-byte unit.
+    const bool weight_only_panels = weight.dim() > 2 && weight.size(-1) == 16;
     const bool int8_activations = weight.dim() > 2 && !weight_only_panels;
     if (weight.dtype() == at::kChar) {
       if (int8_activations)

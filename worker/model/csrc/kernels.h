@@ -44,6 +44,7 @@ void rotary_and_write_kv_rows(float* qkv, int64_t tokens, const float* cos, cons
 // linear.cpp
 void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out);
 void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out);
+int64_t int8_weight_panel_group();
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
                              int64_t group_size, at::Tensor out);
 

@@ -303,20 +303,30 @@ void check_quantized_args(const at::Tensor& x, const at::Tensor& scales, const a
               out.size(1) == out_features, "out must be a contiguous float32 [M, N] tensor");
 }
 
-// x [M, K] float32, qweight [N, K] int8 or [ceil(N / 16), K, 16] int8 panels (pack_panels in
-// worker/model/layers.py), scales [N] float32 -> out [M, N]. Panels run the float32 panel
-// tiles, each weight widened in registers and each output scaled once at the end, at every
-// row count: the same arithmetic as a float32 weight, from a quarter of its bytes.
+int64_t int8_weight_panel_group() { return kPanelPair; }
+
+// x [M, K] float32, qweight [N, K] int8, [ceil(N / 16), K, 16] int8 panels or those panels in
+// groups of int8_weight_panel_group() ([G, K, group, 16], pack_panels in worker/model/layers.py),
+// scales [N] float32 -> out [M, N]. Panels run the float32 panel tiles, each weight widened in
+// registers and each output scaled once at the end, at every row count: the same arithmetic as
+// a float32 weight, from a quarter of its bytes.
 void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor out) {
-  if (qweight.dim() == 3) {
+  if (qweight.dim() == 3 || qweight.dim() == 4) {
+    const int64_t group = qweight.dim() == 4 ? qweight.size(2) : 1;
     TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && qweight.size(1) == x.size(1) &&
-                qweight.size(2) == kPanel, "qweight panels: contiguous int8 [P, K, 16]");
-    const int64_t out_features = out.size(1);
+                qweight.size(-1) == kPanel && (group == 1 || group == 2),
+                "qweight panels: contiguous int8 [P, K, 16] or [G, K, 2, 16]");
+    const int64_t out_features = out.size(1), num_panels = (out_features + kPanel - 1) / kPanel;
     check_quantized_args(x, scales, out, out_features);
-    TORCH_CHECK((out_features + kPanel - 1) / kPanel == qweight.size(0) && scales.numel() == out_features,
+    TORCH_CHECK((num_panels + group - 1) / group == qweight.size(0) && scales.numel() == out_features,
                 "panels and scales must match out");
-    return linear_panels(x.data_ptr<float>(), qweight.data_ptr<int8_t>(), out.data_ptr<float>(), x.size(0),
-                         x.size(1), out_features, qweight.size(0), scales.data_ptr<float>());
+    const float* x_ptr = x.data_ptr<float>();
+    const int8_t* q_ptr = qweight.data_ptr<int8_t>();
+    if (group == 2)
+      return linear_panels<int8_t, 2>(x_ptr, q_ptr, out.data_ptr<float>(), x.size(0), x.size(1), out_features,
+                                      num_panels, scales.data_ptr<float>());
+    return linear_panels(x_ptr, q_ptr, out.data_ptr<float>(), x.size(0), x.size(1), out_features, num_panels,
+                         scales.data_ptr<float>());
   }
   TORCH_CHECK(qweight.dtype() == at::kChar && qweight.is_contiguous() && qweight.size(1) == x.size(1),
               "qweight: contiguous int8 [N, K]");

@@ -91,10 +91,14 @@ inline __m512 load_panel_row(const int8_t* row) {
 // kLinesPerRow rows, so the next panel streams in from memory evenly over all of this panel's
 // compute rather than after it (or in a burst that fills the core's miss buffers and stalls
 // the FMAs).
-template <int MR, bool kPrefetch, typename W, int kPanels = 1>
+template <int MR, bool kPrefetch, typename W, int kPanels = 1, int kGroup = 1>
 inline void panel_tile(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
-  constexpr int64_t kRowsPerLine = kCacheLine / (kPanel * static_cast<int64_t>(sizeof(W)));
+  constexpr int64_t kRowStride = kPanel * kGroup;
+  constexpr int64_t kRowsPerLine = kCacheLine / (kRowStride * static_cast<int64_t>(sizeof(W)));
+  // Panel q of the run (which starts a group or lies in one): in group q / kGroup, at q % kGroup.
+  // A group's panels share their lines, so one prefetch a line per group brings all of them.
+  auto panel_offset = [in_features](int q) { return (q / kGroup * in_features * kGroup + q % kGroup) * kPanel; };
 #ifdef HAVE_AVX512_PANELS
   // kPanels adjacent panels (the last n_count wide; `next` the next run of as many), each
   // broadcast of x feeding one FMA per panel.
@@ -107,13 +111,13 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
 #pragma GCC unroll 4
-      for (int q = 0; q < kPanels; ++q)
-        _mm_prefetch(reinterpret_cast<const char*>(next + (q * in_features + k) * kPanel), _MM_HINT_T1);
+      for (int q = 0; q < kPanels; q += kGroup)
+        _mm_prefetch(reinterpret_cast<const char*>(next + panel_offset(q) + k * kRowStride), _MM_HINT_T1);
       prefetch_k += num_tiles * kRowsPerLine;
     }
     __m512 w[kPanels];
 #pragma GCC unroll 4
-    for (int q = 0; q < kPanels; ++q) w[q] = load_panel_row(panel + (q * in_features + k) * kPanel);
+    for (int q = 0; q < kPanels; ++q) w[q] = load_panel_row(panel + panel_offset(q) + k * kRowStride);
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(x[i * in_features + k]);
@@ -131,6 +135,7 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
   }
 #elif defined(HAVE_AVX2_FMA)
   static_assert(kPanels == 1, "one panel a tile on AVX2");
+  (void)panel_offset;
   // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
   // accumulator arrays on the stack and stores them back on every step).
   __m256 lo[MR], hi[MR];
@@ -139,11 +144,11 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
   int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kRowStride), _MM_HINT_T1);
       prefetch_k += num_tiles * kRowsPerLine;
     }
     __m256 w_lo, w_hi;
-    load_panel_row(panel + k * kPanel, w_lo, w_hi);
+    load_panel_row(panel + k * kRowStride, w_lo, w_hi);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 a = _mm256_broadcast_ss(x + i * in_features + k);
@@ -159,27 +164,28 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
     std::memcpy(out + i * out_features, row, n_count * sizeof(float));
   }
 #else
+  (void)panel_offset;
   for (int i = 0; i < MR; ++i) {
     float row[kPanel] = {};
     for (int64_t k = 0; k < in_features; ++k)
       for (int64_t j = 0; j < kPanel; ++j)
-        row[j] += x[i * in_features + k] * static_cast<float>(panel[k * kPanel + j]);
+        row[j] += x[i * in_features + k] * static_cast<float>(panel[k * kRowStride + j]);
     std::memcpy(out + i * out_features, row, n_count * sizeof(float));
   }
 #endif
 }
 
 // kPanels: 1, or kPanelPair or kPanelQuad adjacent panels (the last n_count wide; AVX-512 only).
-template <int MR, bool kPrefetch, int kPanels, typename W>
+template <int MR, bool kPrefetch, int kPanels, typename W, int kGroup = 1>
 inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
                        int64_t num_tiles) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      return panel_tile<MR, kPrefetch, W, kPanels>(x, in_features, panel, out, out_features, n_count, next, tile,
-                                                   num_tiles);
-    panel_rows<MR - 1, kPrefetch, kPanels>(x, in_features, panel, out, out_features, n_count, rows, next, tile,
-                                           num_tiles);
+      return panel_tile<MR, kPrefetch, W, kPanels, kGroup>(x, in_features, panel, out, out_features, n_count, next,
+                                                           tile, num_tiles);
+    panel_rows<MR - 1, kPrefetch, kPanels, W, kGroup>(x, in_features, panel, out, out_features, n_count, rows, next,
+                                                      tile, num_tiles);
   }
 }
 
@@ -190,37 +196,40 @@ inline float* aligned_floats(std::vector<float>& storage, int64_t count) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
 }
 
-// A bfloat16 or int8 panel widened to float32 into `buffer` (32-byte aligned, in_features * kPanel floats).
-template <typename W>
+// A bfloat16 or int8 panel (one of a group of kGroup) widened to float32 into `buffer` (32-byte
+// aligned, in_features * kPanel floats).
+template <int kGroup, typename W>
 inline void widen_panel(const W* panel, int64_t in_features, float* buffer) {
-#ifdef HAVE_AVX2_FMA
   for (int64_t k = 0; k < in_features; ++k) {
+    const W* row = panel + k * kPanel * kGroup;
+#ifdef HAVE_AVX2_FMA
     __m256 lo, hi;
-    load_panel_row(panel + k * kPanel, lo, hi);
+    load_panel_row(row, lo, hi);
     _mm256_store_ps(buffer + k * kPanel, lo);
     _mm256_store_ps(buffer + k * kPanel + 8, hi);
-  }
 #else
-  for (int64_t i = 0; i < in_features * kPanel; ++i) buffer[i] = static_cast<float>(panel[i]);
+    for (int64_t j = 0; j < kPanel; ++j) buffer[k * kPanel + j] = static_cast<float>(row[j]);
 #endif
+  }
 }
 
 // Every row of x against one panel (output features n0.. of `out`, n_count of them), in row
 // tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
 // independent FMA chains to hide the FMA latency. `next` is prefetched where `prefetch`.
-template <int kPanels = 1, typename W>
+template <int kPanels = 1, int kGroup = 1, typename W>
 inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_features, const W* panel, float* out_ptr,
                             int64_t out_features, int64_t n_count, bool prefetch, const W* next) {
   const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t tile_rows = base + (t < extra ? 1 : 0);
     if (prefetch)
-      panel_rows<kPanelRows, true, kPanels>(x_ptr + m0 * in_features, in_features, panel, out_ptr + m0 * out_features,
-                                            out_features, n_count, tile_rows, next, t, tiles);
+      panel_rows<kPanelRows, true, kPanels, W, kGroup>(x_ptr + m0 * in_features, in_features, panel,
+                                                     out_ptr + m0 * out_features, out_features, n_count, tile_rows,
+                                                     next, t, tiles);
     else
-      panel_rows<kPanelRows, false, kPanels, W>(x_ptr + m0 * in_features, in_features, panel,
-                                                out_ptr + m0 * out_features, out_features, n_count, tile_rows, nullptr,
-                                                t, tiles);
+      panel_rows<kPanelRows, false, kPanels, W, kGroup>(x_ptr + m0 * in_features, in_features, panel,
+                                                      out_ptr + m0 * out_features, out_features, n_count, tile_rows,
+                                                      nullptr, t, tiles);
     m0 += tile_rows;
   }
 }
@@ -253,23 +262,24 @@ inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t 
 }
 
 // panel_over_rows for the run's panels from `panel` (output features from out_ptr on).
-template <typename W>
+template <typename W, int kGroup = 1>
 inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows, int64_t in_features, const W* panel,
                           float* out_ptr, int64_t out_features, bool prefetch, const W* next) {
 #ifdef HAVE_AVX512_PANELS
   if (run.count == kPanelQuad) {  // rows <= kQuadMaxRows: one tile
     if (prefetch)
-      return panel_rows<kQuadMaxRows, true, kPanelQuad>(x_ptr, in_features, panel, out_ptr, out_features,
-                                                        run.last_width, rows, next, 0, 1);
-    return panel_rows<kQuadMaxRows, false, kPanelQuad, W>(x_ptr, in_features, panel, out_ptr, out_features,
-                                                          run.last_width, rows, nullptr, 0, 1);
+      return panel_rows<kQuadMaxRows, true, kPanelQuad, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
+                                                                   run.last_width, rows, next, 0, 1);
+    return panel_rows<kQuadMaxRows, false, kPanelQuad, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
+                                                                  run.last_width, rows, nullptr, 0, 1);
   }
 #endif
   if (run.count == 2)
-    panel_over_rows<kPanelPair>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch,
-                                next);
+    panel_over_rows<kPanelPair, kGroup>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width,
+                                        prefetch, next);
   else
-    panel_over_rows<1>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch, next);
+    panel_over_rows<1, kGroup>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch,
+                               next);
 }
 
 // out[m, n0..n0 + width) *= column_scales[n0..] for every row m.
@@ -282,7 +292,12 @@ inline void scale_columns(float* out_ptr, int64_t rows, int64_t out_features, in
   }
 }
 
-template <typename W>
+// p_ptr holds num_panels panels, in groups of kGroup interleaved by input feature ([G, K,
+// kGroup, 16], the last group padded with zero panels). A pair of int8 panels held as one group
+// is one forward stream, each 64-byte line two k of both, where plain panels are two streams
+// of 16 bytes a k: a tile of one or two rows reads the weight from memory at the rate of one
+// stream, and one of four panels reads two streams instead of four.
+template <typename W, int kGroup = 1>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
                    int64_t out_features, int64_t num_panels, const float* column_scales = nullptr) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
@@ -296,25 +311,30 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better.
   const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows);
   const int64_t wanted = !pairs ? 1 : std::is_same_v<W, int8_t> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
-  at::parallel_for(0, num_panels, grain_for(2 * rows * in_features * kPanel), [&](int64_t begin, int64_t end) {
+  const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
+  auto panel_at = [&](int64_t p) { return p_ptr + (p / kGroup * kGroup * in_features + p % kGroup) * kPanel; };
+  at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
     float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
-    for (int64_t p = begin; p < end;) {
-      const W* panel = p_ptr + p * in_features * kPanel;
-      const PanelRun run = panel_run(p, end, out_features, wanted);
+    const int64_t panels_end = std::min(num_panels, end * kGroup);
+    for (int64_t p = begin * kGroup; p < panels_end;) {
+      const W* panel = panel_at(p);
+      // A run of up to kGroup panels stays in its group (a quad takes two whole groups of two).
+      const int64_t group_end = kGroup >= wanted ? std::min(panels_end, (p / kGroup + 1) * kGroup) : panels_end;
+      const PanelRun run = panel_run(p, group_end, out_features, wanted);
       float* out = out_ptr + p * kPanel;
       bool widened_run = false;
       if constexpr (kWidenable) {
         if (widen) {
-          widen_panel(panel, in_features, widened);
+          widen_panel<kGroup>(panel, in_features, widened);
           run_over_rows<float>(run, x_ptr, rows, in_features, widened, out, out_features, false, nullptr);
           widened_run = true;
         }
       }
       if (!widened_run) {
         // The next run's panels; a prefetch past this thread's range or the tensor never faults.
-        const W* next = p + run.count < end ? panel + run.count * in_features * kPanel : nullptr;
-        run_over_rows(run, x_ptr, rows, in_features, panel, out, out_features, prefetch, next);
+        const W* next = p + run.count < panels_end ? panel_at(p + run.count) : nullptr;
+        run_over_rows<W, kGroup>(run, x_ptr, rows, in_features, panel, out, out_features, prefetch, next);
       }
       if (column_scales != nullptr)
         scale_columns(out_ptr, rows, out_features, p * kPanel, (run.count - 1) * kPanel + run.last_width,
