@@ -86,6 +86,13 @@ inline __m512 load_panel_row(const int8_t* row) {
 }
 #endif
 
+// Elements from panel 0 to panel p of weights held in groups of kGroup panels interleaved by
+// input feature ([G, K, kGroup, 16]; kGroup 1 is plain [P, K, 16] panels).
+template <int kGroup>
+constexpr int64_t grouped_panel_offset(int64_t p, int64_t in_features) {
+  return (p / kGroup * in_features * kGroup + p % kGroup) * kPanel;
+}
+
 // With kPrefetch, `next` is the panel this thread takes next. Its cache lines are prefetched
 // (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile, one line per
 // kLinesPerRow rows, so the next panel streams in from memory evenly over all of this panel's
@@ -96,9 +103,9 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
                        int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
   constexpr int64_t kRowStride = kPanel * kGroup;
   constexpr int64_t kRowsPerLine = kCacheLine / (kRowStride * static_cast<int64_t>(sizeof(W)));
-  // Panel q of the run (which starts a group or lies in one): in group q / kGroup, at q % kGroup.
-  // A group's panels share their lines, so one prefetch a line per group brings all of them.
-  auto panel_offset = [in_features](int q) { return (q / kGroup * in_features * kGroup + q % kGroup) * kPanel; };
+  // Panel q of the run (which starts a group or lies in one); a group's panels share their
+  // lines, so one prefetch a line per group brings all of them.
+  auto panel_offset = [in_features](int q) { return grouped_panel_offset<kGroup>(q, in_features); };
 #ifdef HAVE_AVX512_PANELS
   // kPanels adjacent panels (the last n_count wide; `next` the next run of as many), each
   // broadcast of x feeding one FMA per panel.
@@ -295,8 +302,8 @@ inline void scale_columns(float* out_ptr, int64_t rows, int64_t out_features, in
 // p_ptr holds num_panels panels, in groups of kGroup interleaved by input feature ([G, K,
 // kGroup, 16], the last group padded with zero panels). A pair of int8 panels held as one group
 // is one forward stream, each 64-byte line two k of both, where plain panels are two streams
-// of 16 bytes a k: a tile of one or two rows reads the weight from memory at the rate of one
-// stream, and one of four panels reads two streams instead of four.
+// of 16 bytes a k: a tile of two panels (3 or more rows) reads one stream, and a tile of four
+// (1-2 rows) two instead of four.
 template <typename W, int kGroup = 1>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
                    int64_t out_features, int64_t num_panels, const float* column_scales = nullptr) {
@@ -312,7 +319,7 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows);
   const int64_t wanted = !pairs ? 1 : std::is_same_v<W, int8_t> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
-  auto panel_at = [&](int64_t p) { return p_ptr + (p / kGroup * kGroup * in_features + p % kGroup) * kPanel; };
+  auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
     std::vector<float> storage;
     float* widened = widen ? aligned_floats(storage, in_features * kPanel) : nullptr;
