@@ -1,4 +1,4 @@
-"""Hardware ceilings for the benchmark: measured float32 matmul rate and copy bandwidth, and the workload's
+"""Hardware ceilings for the benchmark: measured float32 matmul rate, copy and read bandwidth, and the workload's
 FLOPs and per-token weight bytes derived from the model config, which turn those rates into time bounds."""
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ def measure_copy_gbps(mib: int = 256, repeats: int = 7) -> float:
     dst.copy_(src)  # fault pages in before timing
     sec = _median_seconds(lambda: dst.copy_(src), repeats)
     return 2 * n * 4 / sec / 1e9
+
+
+def measure_read_gbps(mib: int = 256, repeats: int = 7) -> float:
+    """Median large-tensor read rate: a float32 matrix-vector product through torch's BLAS over the tensor (bytes
+    read, nothing written), a weight stream as a tuned library runs it. A copy also writes, and on most hosts its
+    read + write rate is below what reads alone reach; a plain sum, one reduction chain, stays below both."""
+    matrix = torch.rand(mib * 2**20 // 4 // 8192, 8192)
+    vector = torch.ones(8192)
+    torch.mv(matrix, vector)  # fault pages in before timing
+    sec = _median_seconds(lambda: torch.mv(matrix, vector), repeats)
+    return matrix.numel() * 4 / sec / 1e9
 
 
 def request_flops(shape: ModelShape, prompt_len: int, output_len: int) -> dict:

@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quantized", action="store_true", help="only the quantized linear paths")
     parser.add_argument("--int8-layouts", action="store_true",
-                        help="only weight-only INT8 held as panels against row-major, per call")
+                        help="only weight-only INT8, per call: held panels against row-major and against plain panels")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()

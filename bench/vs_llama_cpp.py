@@ -7,8 +7,9 @@ same checkpoint): the single-stream decode rate (ours:
 (t(n+1) - t(1)) / n; theirs: `llama-bench` tg<n>) and the batched generation rate (N sequences of
 P prompt + G new tokens; theirs: `llama-batched-bench`), each format's runs alternating ours and
 theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds.
-Also: the memory-bandwidth bound of each single-stream rate (the weight bytes a step reads over
-the measured copy bandwidth), the compute bound of the batched run (its FLOPs over the host's
+Also: the memory-bandwidth bounds of each single-stream rate (the weight bytes a step reads over
+the copy bandwidth, read + written, and over the read-only bandwidth, both probed just before each
+run, so a host whose memory rate drifts within the run bounds each run by its own moment), the compute bound of the batched run (its FLOPs over the host's
 measured float32 FMA peak, bench/fma_peak.py: what float arithmetic, ours or llama.cpp's, cannot
 beat) and our fixed per-step cost (the step of a hidden-64, 8-layer model with almost no
 weights). llama.cpp comes from `shared/tools/build-llama-cpp`; checkpoints and GGUFs are made
@@ -22,10 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from bench import llama_cpp_tools
 from bench.checkpoints import REPO_ROOT, ensure_checkpoint
 from bench.fma_peak import measure_fma_gflops
-from bench.hardware_bounds import ModelShape, measure_copy_gbps, workload_flops
+from bench.hardware_bounds import ModelShape, measure_copy_gbps, measure_read_gbps, workload_flops
 from bench.json_child import run_json_child
 from bench.llama_server import find_llama_cpp
 from bench.results_file import write_results
@@ -83,8 +86,24 @@ def batched_bound_tok_s(model_dir: Path, batched, fma_gflops: float) -> float:
     return sequences * new_tokens / (flops / (fma_gflops * 1e9))
 
 
-def summarize(rounds: dict[str, dict[str, list[dict]]], copy_gbps: float,
-              batched_bound: float | None = None) -> list[dict]:
+def probe_memory() -> dict:
+    """The host's memory rates now: what bounds the run that follows."""
+    return {"copy_gbps": measure_copy_gbps(repeats=5), "read_gbps": measure_read_gbps(repeats=5)}
+
+
+def _of_bound(runs: list[dict], side_gbps: str) -> float | None:
+    """Median over the runs of each run's rate over its own bound (its weight bytes at the rate probed before it)."""
+    shares = [r["decode_tok_s"] * r["weight_bytes_per_token"] / (r[side_gbps] * 1e9)
+              for r in runs if r.get("decode_tok_s") and r.get(side_gbps)]
+    return statistics.median(shares) if shares else None
+
+
+def probe_range(rounds: dict[str, dict[str, list[dict]]], key: str) -> tuple[float, float] | None:
+    values = [r[key] for sides in rounds.values() for runs in sides.values() for r in runs if r.get(key)]
+    return (min(values), max(values)) if values else None
+
+
+def summarize(rounds: dict[str, dict[str, list[dict]]], batched_bound: float | None = None) -> list[dict]:
     rows = []
     for name, _, kind in FORMATS:
         ours, theirs = rounds[name]["ours"], rounds[name]["theirs"]
@@ -94,10 +113,9 @@ def summarize(rounds: dict[str, dict[str, list[dict]]], copy_gbps: float,
             row[f"ratio_{key}"] = (row[f"ours_{key}"] / row[f"theirs_{key}"]
                                    if row[f"ours_{key}"] and row[f"theirs_{key}"] else None)
         for side, runs in (("ours", ours), ("theirs", theirs)):
-            weight_bytes = runs[0]["weight_bytes_per_token"]
-            bound = copy_gbps * 1e9 / weight_bytes
-            row[f"{side}_weight_mib"] = weight_bytes / 2**20
-            row[f"{side}_of_bound"] = row[f"{side}_decode_tok_s"] / bound if row[f"{side}_decode_tok_s"] else None
+            row[f"{side}_weight_mib"] = runs[0]["weight_bytes_per_token"] / 2**20
+            row[f"{side}_of_bound"] = _of_bound(runs, "copy_gbps")
+            row[f"{side}_of_read_bound"] = _of_bound(runs, "read_gbps")
             row[f"{side}_of_compute_bound"] = (row[f"{side}_batched_tok_s"] / batched_bound
                                                if batched_bound and row[f"{side}_batched_tok_s"] else None)
         row["route"] = ours[0]["route"]
@@ -109,26 +127,37 @@ def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _span(values) -> str:
+    return "-" if not values else f"{values[0]:.1f}-{values[1]:.1f}"
+
+
 def _share(value) -> str:
     return "" if value is None else f" ({value:.0%})"
 
 
-def report(rows: list[dict], overhead: dict, copy_gbps: float, model: str, settings: dict,
+def _bounds(row: dict, side: str) -> str:
+    return (f"{_fmt(row[f'{side}_of_bound'], '.0%')} / {_fmt(row.get(f'{side}_of_read_bound'), '.0%')} "
+            f"({row[f'{side}_weight_mib']:.0f})")
+
+
+def report(rows: list[dict], overhead: dict, probes: dict, model: str, settings: dict,
            fma_gflops: float | None = None, batched_bound: float | None = None) -> str:
+    """`probes`: the (lowest, highest) copy_gbps and read_gbps probed over the run."""
     sequences, prompt_len, new_tokens = settings["batched"]
     compute = (f" Float32 FMA peak {fma_gflops:.0f} GFLOP/s: batched at most {batched_bound:.0f} tok/s in float "
                "arithmetic (the percentages after the batched rates)." if fma_gflops and batched_bound else "")
     lines = [f"## {model}: ours against llama.cpp, 2 threads", "",
              f"Single stream: tg{settings['decode_tokens']}. Batched: {sequences} sequences x {prompt_len} prompt "
-             f"+ {new_tokens} new tokens, generated tokens over the whole run. Copy bandwidth {copy_gbps:.1f} GB/s."
-             + compute,
+             f"+ {new_tokens} new tokens, generated tokens over the whole run. Of bound: the single-stream rate over "
+             "the weight bytes a token reads at the copy bandwidth / at the read-only bandwidth, each probed before "
+             f"the run it bounds (copy {_span(probes.get('copy_gbps'))} GB/s, read {_span(probes.get('read_gbps'))} "
+             "GB/s over this run)." + compute,
              "", "| format | ours tok/s | llama.cpp tok/s | ratio | ours of bound (weights MiB) | llama.cpp of bound "
              "(GGUF MiB) | batched ours | batched llama.cpp | ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['format']} / {r['llama_cpp']} | {_fmt(r['ours_decode_tok_s'])} | {_fmt(r['theirs_decode_tok_s'])} "
-            f"| {_fmt(r['ratio_decode_tok_s'], '.2f')}x | {_fmt(r['ours_of_bound'], '.0%')} "
-            f"({r['ours_weight_mib']:.0f}) | {_fmt(r['theirs_of_bound'], '.0%')} ({r['theirs_weight_mib']:.0f}) "
+            f"| {_fmt(r['ratio_decode_tok_s'], '.2f')}x | {_bounds(r, 'ours')} | {_bounds(r, 'theirs')} "
             f"| {_fmt(r['ours_batched_tok_s'])}{_share(r.get('ours_of_compute_bound'))} "
             f"| {_fmt(r['theirs_batched_tok_s'])}{_share(r.get('theirs_of_compute_bound'))} "
             f"| {_fmt(r['ratio_batched_tok_s'], '.2f')}x |")
@@ -158,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds_count = 1 if args.quick else args.rounds
     model_dir = ensure_checkpoint(args.model)
     ggufs = llama_cpp_tools.gguf_files(llama_dir, model_dir, args.model)
-    copy_before = measure_copy_gbps()
+    torch.set_num_threads(args.threads)  # the memory probes stream on as many threads as the engines
     rounds = {name: {"ours": [], "theirs": []} for name, _, _ in FORMATS}
     for round_index in range(rounds_count):
         for name, engine, kind in FORMATS:
@@ -167,20 +196,22 @@ def main(argv: list[str] | None = None) -> int:
                      ("theirs", lambda: run_theirs(llama_dir, ggufs[kind], settings["decode_tokens"], batched,
                                                    args.threads, args.repeats))]
             for side, run in sides if round_index % 2 == 0 else reversed(sides):
+                probe = probe_memory()
                 started = time.perf_counter()
-                rounds[name][side].append(run())
+                rounds[name][side].append(dict(run(), **probe))
                 print(f"[{time.strftime('%H:%M:%S')}] round {round_index + 1} {name} {side}: "
-                      f"{rounds[name][side][-1]['decode_tok_s']:.1f} tok/s ({time.perf_counter() - started:.0f} s)",
+                      f"{rounds[name][side][-1]['decode_tok_s']:.1f} tok/s ({time.perf_counter() - started:.0f} s; "
+                      f"copy {probe['copy_gbps']:.1f} GB/s, read {probe['read_gbps']:.1f} before it)",
                       file=sys.stderr, flush=True)
     overhead = run_ours(ensure_checkpoint("overhead-probe"), {}, 64, None, args.threads, args.repeats)
-    copy_gbps = statistics.median([copy_before, measure_copy_gbps()])
+    probes = {key: probe_range(rounds, key) for key in ("copy_gbps", "read_gbps")}
     fma_gflops = measure_fma_gflops(args.threads)
     bound = batched_bound_tok_s(model_dir, batched, fma_gflops) if batched else None
-    rows = summarize(rounds, copy_gbps, bound)
-    print(report(rows, overhead, copy_gbps, args.model, dict(settings, batched=batched or settings["batched"]),
+    rows = summarize(rounds, bound)
+    print(report(rows, overhead, probes, args.model, dict(settings, batched=batched or settings["batched"]),
                  fma_gflops, bound))
     path = write_results({"model": args.model, "settings": settings, "threads": args.threads,
-                          "copy_gbps": copy_gbps, "fma_gflops": fma_gflops, "batched_bound_tok_s": bound,
+                          "probes": probes, "fma_gflops": fma_gflops, "batched_bound_tok_s": bound,
                           "rows": rows, "overhead": overhead, "rounds": rounds,
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
                          args.json, DEFAULT_RESULTS.with_name(f"vs_llama_cpp_{args.model}.json"), args.quick)

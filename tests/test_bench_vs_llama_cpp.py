@@ -59,23 +59,47 @@ def test_our_child_measures_each_format(tmp_path):
 
 
 def test_the_summary_takes_medians_and_ratios():
-    def runs(decode, batched, weight_bytes):
-        return [{"decode_tok_s": d, "batched_tok_s": batched, "weight_bytes_per_token": weight_bytes, "route": "r"}
-                for d in decode]
+    def runs(decode, batched, weight_bytes, copy_gbps=(20.0, 20.0, 20.0), read_gbps=(40.0, 40.0, 40.0)):
+        return [{"decode_tok_s": d, "batched_tok_s": batched, "weight_bytes_per_token": weight_bytes, "route": "r",
+                 "copy_gbps": c, "read_gbps": r} for d, c, r in zip(decode, copy_gbps, read_gbps)]
 
     rounds = {name: {"ours": runs([100.0, 120.0, 110.0], 300.0, 40e6), "theirs": runs([200.0, 220.0, 210.0], 150.0, 50e6)}
               for name, _, _ in vs_llama_cpp.FORMATS}
-    rows = vs_llama_cpp.summarize(rounds, copy_gbps=20.0, batched_bound=600.0)
+    rows = vs_llama_cpp.summarize(rounds, batched_bound=600.0)
     assert [r["format"] for r in rows] == [name for name, _, _ in vs_llama_cpp.FORMATS]
     row = rows[0]
     assert row["ours_decode_tok_s"] == 110.0 and row["theirs_decode_tok_s"] == 210.0
     assert row["ratio_decode_tok_s"] == pytest.approx(110 / 210) and row["ratio_batched_tok_s"] == 2.0
     assert row["ours_of_bound"] == pytest.approx(110 / (20e9 / 40e6))
+    assert row["ours_of_read_bound"] == pytest.approx(110 / (40e9 / 40e6))
     assert row["ours_of_compute_bound"] == 0.5 and row["theirs_of_compute_bound"] == 0.25
-    text = vs_llama_cpp.report(rows, {"step_ms": 0.3, "decode_tok_s": 3333.0, "route": "r"}, 20.0, "bench-small",
+    probes = {"copy_gbps": vs_llama_cpp.probe_range(rounds, "copy_gbps"),
+              "read_gbps": vs_llama_cpp.probe_range(rounds, "read_gbps")}
+    assert probes == {"copy_gbps": (20.0, 20.0), "read_gbps": (40.0, 40.0)}
+    text = vs_llama_cpp.report(rows, {"step_ms": 0.3, "decode_tok_s": 3333.0, "route": "r"}, probes, "bench-small",
                                vs_llama_cpp.SETTINGS["bench-small"], fma_gflops=400.0, batched_bound=600.0)
-    assert "| float32 / f32 | 110.0 | 210.0 | 0.52x |" in text and "0.300 ms" in text
+    assert "| float32 / f32 | 110.0 | 210.0 | 0.52x | 22% / 11% (38) | 52% / 26% (48) |" in text
+    assert "0.300 ms" in text and "copy 20.0-20.0 GB/s, read 40.0-40.0 GB/s" in text
     assert "| 300.0 (50%) | 150.0 (25%) | 2.00x |" in text and "at most 600 tok/s" in text
+
+
+def test_each_run_is_bounded_by_the_memory_rate_probed_before_it():
+    """A host whose memory slows between two rounds: each run's share of the bound uses its own probe, so the
+    slow round's rate is not read against the fast round's bandwidth (nor the other way round)."""
+    weight_bytes = 1e9
+    fast = {"decode_tok_s": 40.0, "weight_bytes_per_token": weight_bytes, "copy_gbps": 50.0, "read_gbps": 80.0,
+            "route": "r"}
+    slow = {"decode_tok_s": 20.0, "weight_bytes_per_token": weight_bytes, "copy_gbps": 25.0, "read_gbps": 40.0,
+            "route": "r"}
+    rounds = {name: {"ours": [fast, slow], "theirs": [fast, slow]} for name, _, _ in vs_llama_cpp.FORMATS}
+    row = vs_llama_cpp.summarize(rounds)[0]
+    assert row["ours_of_bound"] == pytest.approx(0.8) and row["ours_of_read_bound"] == pytest.approx(0.5)
+    assert vs_llama_cpp.probe_range(rounds, "copy_gbps") == (25.0, 50.0)
+
+
+def test_the_memory_probes_measure_positive_rates():
+    from bench.hardware_bounds import measure_copy_gbps, measure_read_gbps
+    assert measure_copy_gbps(mib=16, repeats=3) > 0.1 and measure_read_gbps(mib=16, repeats=3) > 0.1
 
 
 def test_the_batched_compute_bound_is_the_runs_flops_at_the_fma_peak(tmp_path):

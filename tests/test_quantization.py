@@ -166,8 +166,14 @@ def test_int8_weight_panels_refuse_a_group_the_kernels_do_not_read():
         pytest.skip("our CPU kernels are not built here")
     with pytest.raises(RuntimeError, match=r"\[G, K, 2, 16\]"):
         kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 4), qw.scales, torch.empty(1, 64))
+    # Panels for 64 outputs against scales and out for 96: only the panel count is wrong.
     with pytest.raises(RuntimeError, match="must match out"):
-        kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 2), qw.scales, torch.empty(1, 96))
+        kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 2), torch.ones(96), torch.empty(1, 96))
+    # Panels and out for 64 against scales for 96: only the scales are wrong.
+    with pytest.raises(RuntimeError, match="must match out"):
+        kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 2), torch.ones(96), torch.empty(1, 64))
+    ok = torch.empty(1, 64)
+    kernels.linear_small_batch_int8(torch.randn(1, 32), pack_panels(qw.qweight, 2), qw.scales, ok)
 
 
 def test_int8_weight_panels_save_load_and_switch_layouts(weight):
