@@ -24,6 +24,7 @@ from gateway.constraints import ConstraintCompiler
 from gateway.dispatcher import Dispatcher
 from gateway.offload import RELEASE_MIN_CHARS, Offload, OffloadBusyError, should_offload
 from gateway.queues import QueueFullError
+from gateway.rate_limit import TokenCharge
 from gateway.request_log import refuse_request
 from gateway.request_table import DuplicateRequestError
 from gateway.streams import RequestState
@@ -121,7 +122,10 @@ class Admission:
             self.refuse(request_id, e.code, e.message)
         if self.dispatcher.requests.is_live(request_id, principal.name):  # cheap now; checked again at submit
             self.refuse_duplicate(request_id, principal)
-        args = (request, self.tokenizer, self.max_model_len, self.config.gateway.default_max_tokens, self.constraints)
+        room = self.dispatcher.largest_pool_tokens() or self.max_model_len
+        default_max_tokens = (self.config.gateway.chat_default_max_tokens or room if request.messages
+                              else self.config.gateway.default_max_tokens)
+        args = (request, self.tokenizer, self.max_model_len, default_max_tokens, self.constraints, room)
         try:
             # A constraint is checked against the vocabulary (a lexer build): never on the loop.
             if should_offload(num_chars, len(request.messages)) or request.sampling.HasField("structured_output"):
@@ -140,16 +144,23 @@ class Admission:
             self.refuse(request_id, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests",
                         principal=principal)
         if principal.tokens is not None:
-            self._charge_tokens(request_id, principal, copies * (len(checked.prompt_ids) + checked.params.max_tokens))
+            per_sequence = len(checked.prompt_ids) + checked.params.max_tokens
+            self._charge_tokens(request_id, principal, copies * per_sequence,
+                                None if request.sampling.HasField("max_tokens") else checked.params.max_tokens)
+            checked = dataclasses.replace(checked, charge=TokenCharge(principal.tokens, per_sequence,
+                                                                      checked.params.max_tokens, copies))
         return checked
 
-    def _charge_tokens(self, request_id: str, principal: Principal, num_tokens: int) -> None:
+    def _charge_tokens(self, request_id: str, principal: Principal, num_tokens: int,
+                       defaulted_max_tokens: int | None) -> None:
         wait_s = principal.tokens.take(num_tokens, time.monotonic())
         if not wait_s:
             return
         spec = principal.spec
         hint = ("it is more than the key may use in a minute" if retry_after_ms(wait_s) is None
                 else f"retry after {retry_after_ms(wait_s)} ms")
+        if defaulted_max_tokens is not None:
+            hint += f" (max_tokens was not set, so it is {defaulted_max_tokens}: set a smaller one)"
         self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"API key {spec.name!r} is over its rate limit of {spec.tokens_per_minute:g} tokens per minute: "
                     f"this request needs {num_tokens} (prompt + max_tokens); {hint}", retry_after_ms(wait_s), principal)
@@ -168,20 +179,35 @@ class Admission:
                              priority=principal.priority(checked.priority), tokenizer=self.tokenizer,
                              arrival_s=arrival_s, session_id=session_id, owner=principal.name,
                              deadline_s=arrival_s + min(limits) if limits else None,
-                             stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3)
+                             stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3,
+                             on_finished=checked.charge.sequence_ended if checked.charge else None)
         try:
             self.dispatcher.submit(state)
         except QueueFullError as e:
             self.exhausted(request_id, str(e), principal)
         except DuplicateRequestError:  # another one with this id was admitted while we tokenized
             self.refuse_duplicate(request_id, principal)
+        if checked.charge is not None:
+            checked.charge.queued()
         return state
+
+    @staticmethod
+    def release_unqueued(prepared: list[ValidatedRequest]) -> None:
+        """Give back the rate-limit charge of every sequence of `prepared` not queued: the request
+        was refused, or its client went away, part-way."""
+        for checked in prepared:
+            if checked.charge is not None:
+                checked.charge.release_unqueued()
 
     async def admit(self, request: inference_pb2.GenerateRequest, request_id: str, arrival_s: float,
                     timeout_s: float | None, cancelled_status: Callable[[], grpc.StatusCode],
                     principal: Principal = ANONYMOUS) -> RequestState:
         checked = await self.prepare(request, request_id, cancelled_status, principal)
-        return self.enqueue(checked, request_id, arrival_s, timeout_s, principal=principal)
+        try:
+            return self.enqueue(checked, request_id, arrival_s, timeout_s, principal=principal)
+        except Refusal:
+            self.release_unqueued([checked])
+            raise
 
     def cancel(self, states: list[RequestState]) -> None:
         """Stop whichever of `states` are still running (the client went away or one of them failed)."""

@@ -182,14 +182,21 @@ class OpenAiApi:
 
         principal = principal_of(http.scope)
 
+        prepared = []
+
         async def prepare_all():
-            return [await self.admission.prepare(r, request_id, lambda: grpc.StatusCode.CANCELLED, principal, copies=n)
-                    for r in requests]
+            for r in requests:
+                prepared.append(await self.admission.prepare(r, request_id, lambda: grpc.StatusCode.CANCELLED,
+                                                             principal, copies=n))
 
         try:
-            prepared = await _until_disconnect(http, prepare_all(), lambda: None)
+            await _until_disconnect(http, prepare_all(), lambda: None)
         except Refusal as e:
+            self.admission.release_unqueued(prepared)
             raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
+        except BaseException:  # the client went away, or the handler was cancelled
+            self.admission.release_unqueued(prepared)
+            raise
         states = []
         try:
             for p, checked in enumerate(prepared):
@@ -203,6 +210,7 @@ class OpenAiApi:
                                                          principal=principal))
         except Refusal as e:
             Sequences(self.admission, states).close(e.code)
+            self.admission.release_unqueued(prepared)
             raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
         return Sequences(self.admission, states)
 

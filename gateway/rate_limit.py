@@ -33,5 +33,27 @@ class TokenBucket:
         return (amount - level) / self.rate_per_s
 
     def give_back(self, amount: float) -> None:
-        """Undo a take that did not lead to work (the request was refused after it)."""
+        """Undo a take, or the part of it that did not lead to work."""
         self._level = min(self.capacity, self._level + amount)
+
+
+class TokenCharge:
+    """The tokens one request took from its key's per-minute budget: `sequences` x (prompt +
+    max_tokens), taken before it was queued. What did not turn into work goes back: the whole
+    share of a sequence that was never queued (a refusal, a client gone, another prompt of the
+    request refused), and a queued sequence's max_tokens it did not generate when it ends."""
+
+    def __init__(self, bucket: TokenBucket, per_sequence: int, max_tokens: int, sequences: int):
+        self.bucket, self.per_sequence, self.max_tokens = bucket, per_sequence, max_tokens
+        self.unqueued = sequences
+
+    def queued(self) -> None:
+        self.unqueued -= 1
+
+    def sequence_ended(self, generated_tokens: int) -> None:
+        self.bucket.give_back(max(0, self.max_tokens - generated_tokens))
+
+    def release_unqueued(self) -> None:
+        """Give back the share of every sequence that was not queued; later calls give nothing."""
+        self.bucket.give_back(self.unqueued * self.per_sequence)
+        self.unqueued = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -75,6 +76,9 @@ class RequestState:
     # streamed), and the cached tokens predicted at the last dispatch, until the worker reports.
     block_hashes: tuple[tuple[int, int], list[bytes]] | None = None
     predicted_cached_tokens: int | None = None
+    # Told the tokens it generated, once, when it ends however it ends (the caller's rate limit
+    # takes back what it did not use: gateway/rate_limit.py TokenCharge).
+    on_finished: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         self._held = StreamEvent()  # tokens waiting for stream_interval
@@ -159,6 +163,8 @@ class RequestState:
                 status: grpc.StatusCode | None = None) -> None:
         self.finish_reason = reason
         self.finished_s = now_s
+        if self.on_finished is not None:
+            self.on_finished(len(self.output_ids))
         self._flush_held()
         self.events.put_nowait(StreamEvent(text=tail, finish_reason=reason, error=error, status=status))
 

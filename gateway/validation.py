@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.constraints import ConstraintCompiler, ConstraintError, constraint_size
+from gateway.rate_limit import TokenCharge
 from gateway.tokenizer import Tokenizer, TokenizerError
 from protos import inference_pb2
 from shared.config import GatewayConfig
@@ -42,6 +43,8 @@ class ValidatedRequest:
     priority: int
     num_truncated_tokens: int
     session_id: str = ""
+    # What it took from the caller's tokens per minute (gateway/admission.py), None without a limit.
+    charge: TokenCharge | None = None
 
 
 def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -> int:
@@ -91,7 +94,10 @@ def check_request_id(request_id: str) -> None:
 
 
 def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
-             default_max_tokens: int, constraints: ConstraintCompiler | None = None) -> ValidatedRequest:
+             default_max_tokens: int, constraints: ConstraintCompiler | None = None,
+             default_room: int | None = None) -> ValidatedRequest:
+    """`default_room`: the most prompt + output tokens a request that sets no max_tokens is fitted
+    into (a worker's KV pool), beside the model's context."""
     prompt_ids, num_truncated = _prompt_ids(request, tokenizer, max_model_len)
     vocab = tokenizer.vocab_size
     params = _sampling(request.sampling, default_max_tokens, vocab)
@@ -105,7 +111,8 @@ def validate(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, max_m
         params = dataclasses.replace(params, grammar=grammar)
     if not request.sampling.HasField("max_tokens"):
         # The default shrinks to fit the context; an explicit value never silently does.
-        fitted = max(1, min(params.max_tokens, max_model_len - len(prompt_ids)))
+        room = min(max_model_len, default_room or max_model_len)
+        fitted = max(1, min(params.max_tokens, room - len(prompt_ids)))
         if fitted < params.min_tokens:
             raise _invalid(f"min_tokens ({params.min_tokens}) does not fit the model's context of {max_model_len} "
                            f"tokens after the prompt's {len(prompt_ids)}")

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gateway.auth import ANONYMOUS, ENV_KEY, KeyStore, check_exposure, is_loopback, parse_keys_file, retry_after_ms
-from gateway.rate_limit import TokenBucket
+from gateway.rate_limit import TokenBucket, TokenCharge
 from shared.config import ConfigError, GatewayConfig
 
 ALICE, BOB = "alice-key-0123456789abcdef", "bob-key-0123456789abcdef"
@@ -76,6 +76,23 @@ def test_a_token_bucket_refills_at_its_rate_and_says_how_long_to_wait():
     bucket.give_back(10)
     assert bucket.level(1000.0) == 60
     assert retry_after_ms(0.0004) == 1 and retry_after_ms(math.inf) is None
+
+
+def test_a_charge_gives_back_what_did_not_turn_into_work():
+    bucket = TokenBucket(per_minute=1000, now_s=0.0)
+    # Three sequences of 10 prompt + 90 max tokens: 300 taken up front.
+    assert bucket.take(300, 0.0) == 0.0
+    charge = TokenCharge(bucket, per_sequence=100, max_tokens=90, sequences=3)
+    charge.queued()
+    charge.sequence_ended(30)  # 60 of its 90 unused
+    assert bucket.level(0.0) == 760
+    charge.queued()
+    charge.release_unqueued()  # the third was never queued: its whole 100 back
+    assert bucket.level(0.0) == 860
+    charge.release_unqueued()  # nothing twice
+    charge.sequence_ended(90)  # the second used all it asked for
+    charge.sequence_ended(200)  # never more than it took
+    assert bucket.level(0.0) == 860
 
 
 def test_an_exposed_address_needs_keys_or_an_explicit_opt_out(tmp_path):

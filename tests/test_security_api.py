@@ -27,6 +27,8 @@ KEYS = {
     "other": ("other-key-1a2b3c4d5e6f7a8b", ""),
     "limited": ("limited-key-9f8e7d6c5b4a", "rpm=2"),
     "tokens": ("tokens-key-5e4d3c2b1a0f", "tpm=100"),
+    "early": ("early-key-4d3c2b1a0f9e", "tpm=100"),
+    "prompts": ("prompts-key-2b1a0f9e8d7c", "tpm=100"),
     "floor": ("floor-key-3c2b1a0f9e8d7c", "priority_floor=0"),
     "single": ("single-key-7b6a5f4e3d2c1b", "streams=1"),
 }
@@ -112,6 +114,34 @@ def test_a_key_over_its_token_rate_is_refused_after_tokenizing(cluster):
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "100 tokens per minute" in e.details()
     e = code_of(lambda: generate(cluster, "tokens", max_tokens=200))
     assert "more than the key may use in a minute" in e.details()
+
+
+def test_a_request_that_ends_early_gives_its_unused_tokens_back(cluster):
+    def greedy(name: str, max_tokens: int, stop_token_ids=()):
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6, 7, 8], sampling=inference_pb2.SamplingOptions(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=list(stop_token_ids)))
+        return [r for r in cluster.stub.Generate(request, timeout=60, metadata=bearer(name))]
+
+    # Greedy, so the same prompt generates the same tokens: stop at the second one.
+    second = [t for r in greedy("user", 4) for t in r.token_ids][1]
+    for _ in range(3):  # 84 charged each time, of 100 a minute: only the 2 generated stay spent
+        responses = greedy("early", 80, [second])
+        assert responses[-1].finish_reason == inference_pb2.FINISH_REASON_STOP
+        assert len([t for r in responses for t in r.token_ids]) <= 2
+
+
+def test_a_request_refused_part_way_gives_its_charge_back(cluster, served_checkpoint):
+    base_url = f"http://127.0.0.1:{cluster.http_port}/v1"
+    vocab = json.loads((served_checkpoint / "config.json").read_text())["vocab_size"]
+    with openai.OpenAI(base_url=base_url, api_key=KEYS["prompts"][0], max_retries=0, timeout=30) as client:
+        for _ in range(3):  # the first prompt is charged 44 of 100 before the second is refused
+            with pytest.raises(openai.BadRequestError, match="vocab"):
+                client.completions.create(model="llama", prompt=[[5, 6, 7, 8], [vocab + 5]],
+                                          max_tokens=40)
+        done = client.completions.create(model="llama", prompt=[[5, 6, 7, 8]], max_tokens=40,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 40
 
 
 def test_a_priority_floor_is_applied_not_refused(cluster):
