@@ -168,6 +168,12 @@ class WorkerRegistry:
     def live(self, now_s: float) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if self.is_alive(w, now_s)]
 
+    def largest_pool_tokens(self, now_s: float) -> int:
+        """The most prompt + output tokens one request can hold on any live worker (its whole KV
+        pool); 0 before any has reported."""
+        return max((w.heartbeat.kv_blocks_total * w.heartbeat.block_size for w in self.live(now_s)
+                    if w.heartbeat.block_size), default=0)
+
     def pick(self, now_s: float, num_tokens: int) -> WorkerHandle | None:
         """The dispatchable worker with the most room for a request of num_tokens prompt tokens."""
         candidates = [w for w in self.live(now_s)

@@ -31,7 +31,10 @@ class GatewayConfig:
     worker_endpoint: str = ""  # "" = ipc://<run_dir>/gateway.ipc; tcp://host:port by config
     heartbeat_timeout_s: float = 1.0  # no heartbeat for this long: the worker is dead
     drain_grace_s: float = 30.0  # SIGTERM: how long in-flight streams may run on
-    default_max_tokens: int = 64
+    default_max_tokens: int = 64  # a prompt's (gRPC, /v1/completions) that sets none
+    # A chat's (messages: gRPC, /v1/chat/completions) that sets none; 0 = as many as fit, the rest
+    # of the model's context within the largest live worker's KV pool (OpenAI's and vLLM's default).
+    chat_default_max_tokens: int = 0
     request_timeout_s: float = 0.0  # 0 = only the client's own deadline applies
     max_concurrent_streams: int = 1024
     metrics_port: int = 8000  # Prometheus /metrics over HTTP; 0 = off
@@ -109,6 +112,8 @@ class GatewayConfig:
                self.forget_worker_after_s, ">= gateway.heartbeat_timeout_s")
         _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
         _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
+        _check(self.chat_default_max_tokens >= 0, "gateway.chat_default_max_tokens", self.chat_default_max_tokens,
+               ">= 0 (0 = the rest of the context)")
         _check(self.request_timeout_s >= 0, "gateway.request_timeout_s", self.request_timeout_s, ">= 0")
         _check(0 <= self.metrics_port < 65536, "gateway.metrics_port", self.metrics_port, "in [0, 65535]")
         _check(self.probe_timeout_s > 0, "gateway.probe_timeout_s", self.probe_timeout_s, "> 0")

@@ -103,6 +103,22 @@ def test_streamed_chat_equals_unstreamed_and_engine(client, engine, tokenizer):
     assert usage_chunk.usage.prompt_tokens == len(ids)
 
 
+def test_a_chat_without_max_tokens_runs_to_the_context_within_the_kv_pool(served_checkpoint):
+    """OpenAI's and vLLM's default for a chat: as many tokens as fit, here the worker's 8-block
+    pool (128 tokens), not the model's 8192 positions; a plain prompt keeps the gateway's default."""
+    sections = {"gateway": {"http_port": free_port(), "default_max_tokens": 5},
+                "worker": {"num_kv_blocks": 8, "block_size": 16}}
+    with Cluster(served_checkpoint, num_workers=1, sections=sections) as small, \
+            openai.OpenAI(base_url=f"http://127.0.0.1:{small.http_port}/v1", api_key="unused", max_retries=0,
+                          timeout=60) as c:
+        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
+                                         extra_body={"ignore_eos": True})
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 8 * 16
+        plain = c.completions.create(model=MODEL, prompt="go on", extra_body={"ignore_eos": True})
+        assert plain.usage.completion_tokens == 5
+
+
 def test_text_parts_render_like_a_string(client):
     as_string = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a\nb"}],
                                                max_tokens=6, temperature=0)
