@@ -29,6 +29,10 @@ class ApiError(Exception):
                   logged: bool = False) -> "ApiError":
         headers = {"retry-after": str(max(1, math.ceil(retry_after_ms / 1e3)))} if retry_after_ms is not None else {}
         status = HTTP_STATUS.get(code, 500)
+        if status == 409 or (status == 429 and retry_after_ms is None):
+            # Trying the same again cannot succeed (an id in flight, more tokens than a key's minute):
+            # the openai client's retries would only repeat the refusal.
+            headers["x-should-retry"] = "false"
         return cls(status, message, param_of(message) if status == 400 else None, code.name.lower(), headers, logged)
 
     def response(self) -> JSONResponse:

@@ -88,7 +88,8 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = inference_pb2.GenerateRequest(
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs"), priority=body.priority,
-        truncate_prompt_tokens=_truncate(body), session_id=body.user or "")
+        truncate_prompt_tokens=_truncate(body), session_id=body.user or "",
+        tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "")
     constraint, tool_calls = _constraint(body), _tool_constraint(body)
     if constraint is not None and tool_calls is not None:
         raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",
@@ -97,13 +98,17 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
         request.sampling.structured_output.CopyFrom(constraint or tool_calls)
     for i, message in enumerate(body.messages):
         content = message.content
-        if content is None:
-            raise BadRequest(f"messages[{i}].content is null; give the message's text", f"messages[{i}].content")
-        if not isinstance(content, str):
+        if content is None and not message.tool_calls:
+            raise BadRequest(f"messages[{i}].content is null; give the message's text"
+                             + (" or its tool_calls" if message.role == "assistant" else ""), f"messages[{i}].content")
+        if content is not None and not isinstance(content, str):
             content = "\n".join(part.text for part in content)
-        # "developer" is the newer name OpenAI gives the system role.
-        role = "system" if message.role == "developer" else message.role
-        request.messages.add(role=role, content=content)
+        # "developer" is the newer name OpenAI gives the system role. The roles, tool_call_id and
+        # the calls' arguments are checked by gateway/validation.py, for gRPC's chats too.
+        request.messages.add(
+            role="system" if message.role == "developer" else message.role, content=content or "",
+            name=message.name or "", tool_call_id=message.tool_call_id or "",
+            tool_calls_json=json.dumps([c.model_dump() for c in message.tool_calls]) if message.tool_calls else "")
     presentation = _presentation(body, False, logprobs, limits)
     if tool_calls is not None:
         presentation = dataclasses.replace(presentation, tool_calls=True)
@@ -161,14 +166,45 @@ def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOut
         functions = [t.function for t in body.tools if t.function.name == choice.function.name]
         if not functions:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+    defs: dict[str, dict] = {}
     calls = [{"type": "object", "properties": {"name": {"const": f.name},
-                                               "arguments": f.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+                                               "arguments": _placed(f.parameters or {"type": "object"}, k, defs)},
+              "required": ["name", "arguments"], "additionalProperties": False} for k, f in enumerate(functions)]
     single = choice != "required" or body.parallel_tool_calls is False
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if defs:
+        schema["$defs"] = defs
     if single:
         schema["maxItems"] = 1
     return inference_pb2.StructuredOutput(json_schema=json.dumps(schema))
+
+
+def _placed(parameters: dict, index: int, defs: dict[str, dict]) -> dict:
+    """A function's parameters schema as it sits inside the tool-call schema. One that refers to
+    itself (`$ref`s such as "#/$defs/Inner", which pydantic writes for nested models) is moved
+    whole to the root's `$defs` under its own name, its local references rewritten to point
+    there, so they still resolve, and two functions' definitions never meet."""
+    if not _has_local_ref(parameters):
+        return parameters
+    name = f"function{index}"
+    defs[name] = _rebased(parameters, f"#/$defs/{name}")
+    return {"$ref": f"#/$defs/{name}"}
+
+
+def _has_local_ref(node) -> bool:
+    if isinstance(node, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _has_local_ref(v)
+                   for k, v in node.items())
+    return isinstance(node, list) and any(_has_local_ref(x) for x in node)
+
+
+def _rebased(node, base: str):
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebased(x, base) for x in node]
+    return node
 
 
 def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:

@@ -231,7 +231,14 @@ class ResponseBuilder:
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": error_type,
+                      "param": None if param is None else _encodable(param), "code": code}}
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate (a client's bad \\ud800 echoed in a message) written out as
+    an escape, so the answer can be encoded as UTF-8 at all."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def sse_error(body: dict) -> str:

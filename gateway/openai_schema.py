@@ -11,15 +11,24 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
+def _null_takes_default(*names: str):
+    """OpenAI's nullable fields with a default (n, stream, echo, ...): null means the default, as
+    OpenAI and vLLM read them, so a client that writes every field out is served alike."""
+    def default(cls, value, info: ValidationInfo):
+        return cls.model_fields[info.field_name].default if value is None else value
+    return field_validator(*names, mode="after")(classmethod(default))
+
+
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    null_usage_flag = _null_takes_default("include_usage")
 
 
 class _Sampling(_Request):
@@ -27,10 +36,10 @@ class _Sampling(_Request):
     model: str
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = 1
     stop: Union[str, list[str], None] = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -49,6 +58,7 @@ class _Sampling(_Request):
     timeout: float | None = Field(None, description="seconds; the request ends 504 past it, like a gRPC deadline")
     speculative_ngram_k: int | None = Field(None, description="speculative decoding by prompt lookup: up to this "
                                             "many draft tokens a step (0 = off; unset = the server's default)")
+    null_n_stream = _null_takes_default("n", "stream")
 
 
 class JsonSchemaFormat(_Request):
@@ -80,7 +90,8 @@ class CompletionRequest(_Constrained):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = None
     logprobs: int | None = Field(None, description="alternatives per token, 0..5")
-    echo: bool = False
+    echo: bool | None = False
+    null_echo = _null_takes_default("echo")
 
 
 class TextPart(_Request):
@@ -88,10 +99,24 @@ class TextPart(_Request):
     text: str
 
 
+class CalledFunction(_Request):
+    name: str
+    arguments: str = Field(description="the call's arguments as JSON text")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls (its content may be null)")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    refusal: str | None = Field(None, description="an assistant's refusal, as OpenAI's messages carry it")
 
 
 class FunctionDefinition(_Request):
@@ -122,8 +147,9 @@ class ChatCompletionRequest(_Constrained):
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    null_logprobs = _null_takes_default("logprobs")
 
 
 # ---- responses ---------------------------------------------------------------------------------------

@@ -132,24 +132,41 @@ class Tokenizer:
             return bytes(_UNICODE_TO_BYTE[c] for c in piece)
         return self.decode([token_id], skip_special_tokens=False).encode()
 
-    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """`messages` as transformers' templates read them (an assistant's `tool_calls` with their
+        arguments as objects, a tool's `tool_call_id`); `tools` in OpenAI's form."""
         if not self.chat_template:
             raise TokenizerError(f"{self.model_dir}: the tokenizer has no chat template, so chat messages "
                                  f"cannot be rendered; send a plain prompt instead")
+        if "tool_calls" not in self.chat_template:
+            messages = [_calls_as_content(m) for m in messages]
         try:
             # A sandbox, as transformers renders them: a template from a model folder reaches no
             # Python internals (attributes starting with _, callables that mutate, ...).
             return _compile(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.special.bos or "", eos_token=self.special.eos or "", pad_token=self.special.pad or "")
         except jinja2.exceptions.SecurityError as e:
             raise TokenizerError(f"{self.model_dir}: the chat template tried what its sandbox forbids: {e}") from None
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{self.model_dir}: the chat template failed to render: {e}") from None
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
         # The template writes any BOS itself, as apply_chat_template(tokenize=True) assumes.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+
+def _calls_as_content(message: dict) -> dict:
+    """For a template that does not render tool calls: an assistant's calls written into its
+    content as this server's tool-call output is written (a JSON list of {"name", "arguments"}),
+    so the model reads back what it generated."""
+    if not message.get("tool_calls"):
+        return message
+    calls = json.dumps([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                        for c in message["tool_calls"]], ensure_ascii=False)
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": f"{message['content']}\n{calls}" if message["content"] else calls}
 
 
 class IncrementalDetokenizer:

@@ -8,6 +8,7 @@ tokenizes and may be run on a pool thread (gateway/offload.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
@@ -58,7 +59,8 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
         raise _invalid(f"{len(request.messages)} chat messages; the gateway takes at most "
                        f"{limits.max_chat_messages} (gateway.max_chat_messages)")
     if request.messages:
-        num_chars = sum(len(m.content) + len(m.role) for m in request.messages)
+        num_chars = len(request.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) + len(m.name)
+                                                  + len(m.tool_call_id) for m in request.messages)
         if num_chars > limits.max_prompt_chars:
             raise _invalid(f"the chat messages are {num_chars} characters together; the gateway takes at most "
                            f"{limits.max_prompt_chars} (gateway.max_prompt_chars)")
@@ -165,23 +167,78 @@ def _encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer
         raise _invalid(f"give exactly one of prompt, prompt_token_ids or messages; got {' and '.join(given)}")
     if not given:
         raise _invalid("the prompt is empty: give a non-empty prompt, prompt_token_ids or messages")
+    if request.tools_json and given[0] != "messages":
+        raise _invalid("tools_json goes with messages (the chat template renders it), not with a plain prompt")
     if given[0] == "prompt":
         ids = tokenizer.encode(request.prompt)
         if not ids:
             raise _invalid("the prompt encodes to no tokens")
         return ids
-    messages = []
-    for i, m in enumerate(request.messages):
-        if m.role not in ("system", "user", "assistant"):
-            raise _invalid(f"messages[{i}].role must be system, user or assistant, got {m.role!r}")
-        messages.append({"role": m.role, "content": m.content})
+    messages = [_template_message(i, m) for i, m in enumerate(request.messages)]
     try:
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, tools=_template_tools(request.tools_json))
     except TokenizerError as e:
         raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     if not ids:
         raise _invalid("the chat messages render to no tokens")
     return ids
+
+
+def _template_message(i: int, m: inference_pb2.ChatMessage) -> dict:
+    """A chat message as chat templates read it (transformers' convention: a call's arguments an
+    object, not JSON text)."""
+    if m.role not in ("system", "user", "assistant", "tool"):
+        raise _invalid(f"messages[{i}].role must be system, user, assistant or tool, got {m.role!r}")
+    message = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise _invalid(f"messages[{i}] is a tool result: give its tool_call_id, the id of the call it answers")
+        message["tool_call_id"] = m.tool_call_id
+    elif m.tool_call_id:
+        raise _invalid(f"messages[{i}].tool_call_id belongs to a tool message, not to a {m.role} one")
+    if m.tool_calls_json:
+        if m.role != "assistant":
+            raise _invalid(f"messages[{i}].tool_calls: only an assistant message calls tools")
+        message["tool_calls"] = _template_calls(i, m.tool_calls_json)
+    return message
+
+
+def _template_calls(i: int, text: str) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _invalid(f"{where} is not JSON: {e}") from None
+    if not isinstance(calls, list) or not calls:
+        raise _invalid(f"{where} must be a non-empty list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
+            raise _invalid(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                           f"\"arguments\": JSON text}}}}")
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError as e:
+            raise _invalid(f"{where}[{j}].function.arguments is not JSON: {e}") from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def _template_tools(text: str) -> list[dict] | None:
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _invalid(f"tools_json is not JSON: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _invalid("tools_json must be a JSON list of tools")
+    return tools
 
 
 def _sampling(options: inference_pb2.SamplingOptions, default_max_tokens: int, vocab: int) -> SamplingParams:

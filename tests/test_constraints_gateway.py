@@ -95,6 +95,47 @@ def test_tool_choice_constrains_to_calls_of_the_named_or_any_tool():
     assert not request.sampling.HasField("structured_output") and not presentation.tool_calls
 
 
+def test_tools_whose_parameters_refer_to_their_own_definitions_are_enforced(compiler):
+    """pydantic writes nested models as `$defs` with "#/$defs/..." references (what
+    openai.pydantic_function_tool sends): inside the call schema they must still resolve, and two
+    tools' definitions of one name must not meet."""
+    import jsonschema
+    import llguidance
+    import openai
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        y: int
+
+    class Route(BaseModel):
+        start: Point
+        end: Point
+
+    def tool(name, inner):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "$defs": {"Inner": inner}, "type": "object", "properties": {"inner": {"$ref": "#/$defs/Inner"}},
+            "required": ["inner"], "additionalProperties": False}}}
+
+    tools = [tool("a", {"type": "integer"}), tool("b", {"type": "string", "maxLength": 3}),
+             openai.pydantic_function_tool(Route)]
+    request, _ = chat_request(chat_body(tools=tools, tool_choice="required"), GatewayConfig())
+    schema = json.loads(request.sampling.structured_output.json_schema)
+    jsonschema.validate([{"name": "a", "arguments": {"inner": 1}}, {"name": "b", "arguments": {"inner": "abc"}},
+                         {"name": "Route", "arguments": {"start": {"x": 1, "y": 2}, "end": {"x": 3, "y": 4}}}],
+                        schema)
+    for wrong in ({"name": "a", "arguments": {"inner": "abc"}}, {"name": "b", "arguments": {"inner": 1}},
+                  {"name": "Route", "arguments": {"start": {"x": 1}, "end": {"x": 3, "y": 4}}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([wrong], schema)
+    matcher = llguidance.LLMatcher(compiler.tokenizer, compiler.grammar(request.sampling.structured_output))
+    assert not matcher.is_error()
+    # Parameters with no references of their own stay in place.
+    request, _ = chat_request(chat_body(tools=[WEATHER], tool_choice="required"), GatewayConfig())
+    schema = json.loads(request.sampling.structured_output.json_schema)
+    assert schema["items"]["properties"]["arguments"] == WEATHER["function"]["parameters"] and "$defs" not in schema
+
+
 @pytest.mark.parametrize("fields,param", [
     (dict(tools=[WEATHER]), "tool_choice"),  # auto, the default with tools
     (dict(tool_choice="required"), "tool_choice"),

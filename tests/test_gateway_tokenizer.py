@@ -58,9 +58,10 @@ def test_detokenizer_starts_from_the_prompt_context(tokenizer):
     assert text == tokenizer.decode(prompt + completion)[len(tokenizer.decode(prompt)):]
 
 
-def _stream(tokenizer, stop, ids):
+def _stream(tokenizer, stop, ids, min_tokens=0):
     state = RequestState(request_id="r", internal_id="g-1", prompt_ids=[5],
-                         params=SamplingParams(stop=stop, max_tokens=100), priority=0, tokenizer=tokenizer)
+                         params=SamplingParams(stop=stop, max_tokens=100, min_tokens=min_tokens), priority=0,
+                         tokenizer=tokenizer)
     stopped = False
     for i in ids:
         stopped = state.on_tokens([i], 0.0)
@@ -80,6 +81,16 @@ def test_stop_string_cuts_text_and_is_never_streamed_partially(tokenizer):
     assert (text, reason) == ("The quick ", "stop")
     text, reason = _stream(tokenizer, ("absent",), ids)
     assert (text, reason) == ("The quick brown fox jumps", "length")
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    text = "ab ab ab ab ab ab"
+    ids = tokenizer.encode(text)
+    assert _stream(tokenizer, ("b",), ids) == ("a", "stop")
+    # Before its min_tokens-th token a stop string is text like any other; from it on, it stops.
+    first_b_after = next(n for n in range(len(ids) + 1) if tokenizer.decode(ids[:n]).count("b") >= 3)
+    got, reason = _stream(tokenizer, ("b",), ids, min_tokens=first_b_after)
+    assert reason == "stop" and got == tokenizer.decode(ids[:first_b_after]).rsplit("b", 1)[0]
 
 
 def test_missing_eos_is_refused_clearly(tmp_path, served_checkpoint):

@@ -44,6 +44,7 @@ def chat(**fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
 
 
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 BAD_BODIES = [
     # (path, body, status, what the message names)
     ("/v1/completions", completion(prompt=5), 400, "prompt"),
@@ -77,7 +78,15 @@ BAD_BODIES = [
     ("/v1/completions", completion(stream_options={"include_usage": True}), 400, "stream_options"),
     ("/v1/completions", completion(timeout=-1), 400, "timeout"),
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
-    ("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), 400, "role"),
+    ("/v1/chat/completions", chat(messages=[{"role": "critic", "content": "x"}]), 400, "role"),
+    ("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), 400, "tool_call_id"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), 400,
+     "tool_call_id"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}]), 400,
+     "tool_calls"),
+    ("/v1/chat/completions", chat(messages=[{"role": "assistant", "tool_calls": [
+        {**TOOL_CALL, "function": {"name": "f", "arguments": "{oops"}}]}]), 400, "arguments"),
+    ("/v1/chat/completions", chat(messages=[{"role": "assistant", "content": None}]), 400, "tool_calls"),
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "type"),
     ("/v1/chat/completions", chat(messages=[{"role": "user"}]), 400, "content"),
     ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs"),
@@ -140,6 +149,7 @@ def test_a_duplicate_request_id_in_flight_is_409(http, cluster):
         time.sleep(0.01)
     r = http.post("/v1/completions", json=completion(), headers={"x-request-id": "twice"})
     assert r.status_code == 409 and "already in flight" in r.json()["error"]["message"]
+    assert r.headers["x-should-retry"] == "false"  # the openai client would retry into the same refusal
     thread.join(30)
     assert done.is_set()
 
@@ -219,6 +229,23 @@ def test_conversion_edge_cases_are_400_not_500(http):
         path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
         r = http.post(path, content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    # A lone surrogate where the error message echoes it (the model's name) is written as an escape,
+    # not a failed encoding (500); in a field's name it is refused as the body's bad text.
+    r = http.post("/v1/completions", content=b'{"model": "\\ud800", "prompt": "x"}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"], r.text
+    r = http.post("/v1/completions", content=b'{"model": "llama", "prompt": "x", "a\\ud800": 1}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == ERROR_KEYS, r.text
+
+
+def test_openai_nullable_fields_sent_as_null_take_their_defaults(http):
+    r = http.post("/v1/chat/completions", json=chat(n=None, stream=None, logprobs=None, stream_options=None))
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["logprobs"] is None and choice["message"]["content"] is not None
+    r = http.post("/v1/completions", json=completion(n=None, stream=None, echo=None))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
 
 
 def test_admission_refusals_name_their_field_as_param(http):

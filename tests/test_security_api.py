@@ -114,6 +114,15 @@ def test_a_key_over_its_token_rate_is_refused_after_tokenizing(cluster):
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "100 tokens per minute" in e.details()
     e = code_of(lambda: generate(cluster, "tokens", max_tokens=200))
     assert "more than the key may use in a minute" in e.details()
+    # Over HTTP: a 429 the openai client is told not to retry (it never fits), with no Retry-After.
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{cluster.http_port}/v1/completions", method="POST",
+        data=json.dumps({"model": "llama", "prompt": [5, 6, 7, 8], "max_tokens": 200}).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEYS['tokens'][0]}"})
+    with pytest.raises(urllib.error.HTTPError) as http_error:
+        urllib.request.urlopen(request, timeout=30)
+    assert http_error.value.code == 429 and http_error.value.headers["x-should-retry"] == "false"
+    assert "retry-after" not in http_error.value.headers
 
 
 def test_a_request_that_ends_early_gives_its_unused_tokens_back(cluster):

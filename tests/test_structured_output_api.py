@@ -98,6 +98,27 @@ def test_named_and_required_tool_calls(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_tool_call_and_its_result_go_back_to_the_model(client, tokenizer):
+    """The openai client's tool loop: the assistant's message with its calls (content null) goes
+    back as it came, with the tool's result, and the model reads both. This checkpoint's template
+    does not render tool calls, so the call is written into the assistant's turn as the model
+    wrote it."""
+    first = client.chat.completions.create(**ask(seed=3, tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}))
+    message = first.choices[0].message
+    [call] = message.tool_calls
+    messages = [{"role": "user", "content": "Who?"}, message,
+                {"role": "tool", "tool_call_id": call.id, "content": "12 C"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=4, temperature=0, extra_body={"return_token_ids": True})
+    assert second.choices[0].finish_reason in ("stop", "length")
+    written = json.dumps([{"name": "get_weather", "arguments": json.loads(call.function.arguments)}],
+                         ensure_ascii=False)
+    assert second.prompt_token_ids == tokenizer.encode_chat([
+        {"role": "user", "content": "Who?"}, {"role": "assistant", "content": written},
+        {"role": "tool", "content": "12 C"}])
+
+
 def call_arguments(response) -> str:
     return response.choices[0].message.tool_calls[0].function.arguments
 
