@@ -132,6 +132,49 @@ def bench_int8_layouts(kernels, passes: int) -> None:
         print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
 
 
+def bench_int4_row_tiles(kernels, passes: int) -> None:
+    """Weight-only INT4, one row of x per call, every layer's projections one after another: the
+    FMA tile against the bf16 tile (where the build has it), passes alternating, so a drifting host
+    hits both; and which one the build picks here by itself."""
+    from worker.model.quantization import quantize
+    chosen = kernels.int4_row_kernel()
+    try:
+        kernels.int4_row_kernel("bf16")
+    except RuntimeError:
+        print(f"weight-only INT4, one row: this build has no bf16 tile (it runs {chosen})")
+        return
+    print(f"weight-only INT4 one row, groups of 128 (32 where K is not a multiple): median pass ms and weight GB/s, FMA tile / bf16 tile "
+          f"(< 1: FMA faster); this host picks {chosen}")
+    try:
+        for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
+            layers = []
+            for _ in range(num_layers):
+                for n, k in shapes:
+                    group = 128 if k % 128 == 0 else 32
+                    q = quantize(torch.randn(n, k) * 0.02, 4, group)
+                    layers.append((q.qweight, q.scales, q.zeros, group))
+            weight_bytes = sum(q.numel() for q, _, _, _ in layers)
+            xs = {k: torch.randn(1, k) for _, k in shapes}
+            outs = {n: torch.empty(1, n) for n, _ in shapes}
+
+            def one_pass(tile: str) -> float:
+                kernels.int4_row_kernel(tile)
+                start = time.perf_counter()
+                for q, s, z, group in layers:
+                    kernels.linear_small_batch_int4(xs[q.shape[1] * 2], q, s, z, group, outs[q.shape[0]])
+                return time.perf_counter() - start
+            times = {"fma": [], "bf16": []}
+            for i in range(passes):
+                for tile in (("fma", "bf16") if i % 2 == 0 else ("bf16", "fma")):
+                    times[tile].append(one_pass(tile))
+            med = {tile: statistics.median(t) for tile, t in times.items()}
+            print(f"  [{model}, {num_layers} layers] fma {med['fma'] * 1e3:.2f} ms "
+                  f"({weight_bytes / med['fma'] / 1e9:.1f} GB/s), bf16 {med['bf16'] * 1e3:.2f} ms "
+                  f"({weight_bytes / med['bf16'] / 1e9:.1f} GB/s): {med['fma'] / med['bf16']:.2f}x")
+    finally:
+        kernels.int4_row_kernel("auto")
+
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64  # bench-small's attention
 
 
@@ -197,6 +240,8 @@ def main() -> None:
     parser.add_argument("--quantized", action="store_true", help="only the quantized linear paths")
     parser.add_argument("--int8-layouts", action="store_true",
                         help="only weight-only INT8, per call: held panels against row-major and against plain panels")
+    parser.add_argument("--int4-row-tiles", action="store_true",
+                        help="only weight-only INT4, one row per call: the FMA tile against the bf16 tile")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()
@@ -208,6 +253,8 @@ def main() -> None:
             return bench_quantized_linear(args.repeats)
         if args.int8_layouts:
             return bench_int8_layouts(kernels, max(2, args.repeats // 2))
+        if args.int4_row_tiles:
+            return bench_int4_row_tiles(kernels, max(2, args.repeats // 2))
         bench_linear(kernels, args.repeats)
         bench_transposed_form(args.repeats)
         bench_decode_attention(kernels, args.repeats)

@@ -333,21 +333,47 @@ def test_int8_keeps_the_default_models_greedy_outputs():
     assert int8.quantization_report.quantized_bytes < int8.quantization_report.float_bytes / 3.5
 
 
-def test_a_single_int4_row_keeps_float_activations():
-    """One row of x by INT4 weights takes its own kernel (on AVX512_BF16 hosts bf16 dot products
-    with x split into two bf16 parts): its error against float64 stays a small fraction of what
-    rounding x once to bf16 (or to int8) would give, at every scale of x, and it agrees with
-    the same row computed among others (the float FMA tiles) to float32 precision."""
+@pytest.mark.parametrize("tile", ["bf16", "fma"])
+def test_a_single_int4_row_keeps_float_activations(tile):
+    """One row of x by INT4 weights takes its own tile (bf16 dot products with x split into two
+    bf16 parts, on AVX512_BF16 builds, or float FMAs on the raw nibbles): its error against
+    float64 stays a small fraction of what rounding x once to bf16 (or to int8) would give, at
+    every scale of x, and it agrees with the same row computed among others (the float FMA
+    tiles) to float32 precision."""
     torch.manual_seed(3)
     qw = quantize(torch.randn(200, 1024), 4, group_size=128)
     layer = QuantizedLinear(qw, path="ours")
     if not layer.path_available("ours", torch.device("cpu")):
         pytest.skip("our CPU kernels are not built here")
-    w = dequantize(qw).double()
-    for scale in (1e-3, 1.0, 1e3):
-        x = torch.randn(3, 1024) * scale
-        reference = x[:1].double() @ w.t()
-        alone = layer(x[:1]).double()
-        bf16_once = x[:1].bfloat16().double() @ w.t()
-        assert (alone - reference).abs().max() < (bf16_once - reference).abs().max() / 16
-        torch.testing.assert_close(alone, layer(x)[:1].double(), rtol=1e-4, atol=3e-5 * reference.abs().max().item())
+    kernels = cpu_kernels.load()
+    try:
+        assert kernels.int4_row_kernel(tile) == tile
+    except RuntimeError as e:
+        assert "no bf16 tile" in str(e)
+        pytest.skip("this build has no bf16 tile")
+    try:
+        w = dequantize(qw).double()
+        for scale in (1e-3, 1.0, 1e3):
+            x = torch.randn(3, 1024) * scale
+            reference = x[:1].double() @ w.t()
+            alone = layer(x[:1]).double()
+            bf16_once = x[:1].bfloat16().double() @ w.t()
+            assert (alone - reference).abs().max() < (bf16_once - reference).abs().max() / 16
+            torch.testing.assert_close(alone, layer(x)[:1].double(), rtol=1e-4,
+                                       atol=3e-5 * reference.abs().max().item())
+    finally:
+        kernels.int4_row_kernel("auto")
+
+
+def test_the_int4_row_tile_is_chosen_by_vendor_unless_told():
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("our CPU kernels are not built here")
+    chosen = kernels.int4_row_kernel()
+    assert chosen in ("bf16", "fma")
+    assert kernels.int4_row_kernel("fma") == "fma" and kernels.int4_row_kernel() == "fma"
+    assert kernels.int4_row_kernel("auto") == chosen
+    with pytest.raises(RuntimeError, match="int4_row_kernel"):
+        kernels.int4_row_kernel("fastest")
+    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    assert chosen == "fma" or vendor == "AuthenticAMD"  # only AMD hosts take the bf16 tile by default

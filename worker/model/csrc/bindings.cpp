@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a step's model up to the head in one call (embedding lookup, every decoder layer: norms, projections, "
         "rotary + KV write, paged attention, gated MLP; the final norm): the final hidden states (CPU, float32)");
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
+  m.def("int4_row_kernel", &int4_row_kernel, py::arg("choice") = "",
+        "the tile a single row of x takes by INT4 weights, \"bf16\" or \"fma\"; given \"auto\" (by the CPU's "
+        "vendor), \"bf16\" or \"fma\", chooses it first");
   m.def("int8_activations_supported", &int8_activations_supported,
         "whether a layer of this in_features and group size takes the int8-activation kernels");
   m.def("int8_activations_output_major", &int8_activations_output_major,

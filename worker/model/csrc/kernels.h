@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 // decode_attention.cpp
@@ -47,6 +48,7 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
 int64_t int8_weight_panel_group();
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
                              int64_t group_size, at::Tensor out);
+std::string int4_row_kernel(const std::string& choice);
 
 // linear_int8_activations.cpp
 bool int8_activations_supported(int64_t in_features, int64_t group_size);

@@ -10,8 +10,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -384,6 +386,42 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
       [&](int64_t, int64_t n, int64_t, float dot_q) { return s[n] * dot_q; });
 }
 
+namespace {
+// Which tile multiplies a single row of x by INT4 weights on an AVX512_BF16 build: bf16 dot
+// products or float FMAs. Measured per call (docs/benchmarks.md): on AMD Zen 5 the bf16 tile is
+// the faster; on an Intel Xeon the FMA tile takes 0.70x its time with the weights in cache and
+// 0.93x streaming them. "auto" picks by the CPU's vendor; tests and benchmarks force either.
+std::atomic<int> g_int4_row_kernel{0};  // 0 auto, 1 bf16, 2 fma
+
+bool int4_row_takes_bf16() {
+  static const bool amd = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+#else
+    return false;
+#endif
+  }();
+  const int choice = g_int4_row_kernel.load(std::memory_order_relaxed);
+  return choice == 0 ? amd : choice == 1;
+}
+}  // namespace
+
+std::string int4_row_kernel(const std::string& choice) {
+#ifdef HAVE_AVX512_BF16_NIBBLES
+  const bool bf16_built = true;
+#else
+  const bool bf16_built = false;
+#endif
+  if (!choice.empty()) {
+    TORCH_CHECK(choice == "auto" || choice == "fma" || (choice == "bf16" && bf16_built),
+                "int4_row_kernel: \"auto\", \"fma\"", bf16_built ? " or \"bf16\"" : " (this build has no bf16 tile)",
+                ", got ", choice);
+    g_int4_row_kernel.store(choice == "auto" ? 0 : choice == "bf16" ? 1 : 2, std::memory_order_relaxed);
+  }
+  return bf16_built && int4_row_takes_bf16() ? "bf16" : "fma";
+}
+
 // x [M, K] float32, qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the
 // high one), scales and zeros [N, K/G] float32 -> out [M, N].
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
@@ -438,7 +476,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through bf16
     // dot products (int4_row_tile_bf16), prepared once for all its tiles; only the rows before it
     // are split for the float tiles.
-    const bool bf16_row = group_size % wide::kNibbleRun == 0 && rows % wide::kRows == 1;
+    const bool bf16_row = group_size % wide::kNibbleRun == 0 && rows % wide::kRows == 1 && int4_row_takes_bf16();
     const wide::NibbleRowX last_row =
         bf16_row ? wide::split_x_bf16(x_ptr + (rows - 1) * in_features, in_features, group_size) : wide::NibbleRowX{};
 #else

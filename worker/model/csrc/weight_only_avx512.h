@@ -110,6 +110,15 @@ inline void tile(const float* x, int64_t in_features, int64_t group_size, int64_
   }
 }
 
+// A nibble as a float by a table lookup: vpermps reads only the low four bits of each lane's
+// index, so one instruction both masks and converts (a mask and a convert otherwise), and the
+// high nibble takes a shift first. Lanes hold one byte each (zero-extended).
+inline __m512 nibble_table() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline __m512 low_nibbles(__m512i bytes, __m512 table) { return _mm512_permutexvar_ps(bytes, table); }
+inline __m512 high_nibbles(__m512i bytes, __m512 table) {
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
 // One row of x (in the nibble-split order) by kCols INT4 weight rows (`rows[j]`: row j's
 // packed bytes, `scales[j]`: its group scales): sums[j] = sum over groups g of scales[j][g] *
 // x_g . q_g. A single row shares no widened weight with another row, so each group's x_g . q_g
@@ -120,7 +129,7 @@ inline void tile(const float* x, int64_t in_features, int64_t group_size, int64_
 // of a row (a step reads 16 bytes) leaves the load ports to the weights.
 inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], const float* const scales[kCols],
                           int64_t in_features, int64_t group_size, float sums[kCols]) {
-  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+  const __m512 nibble_values = nibble_table();
   const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kStep / 2);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
@@ -133,8 +142,8 @@ inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], cons
       next_tile.step(k / kStep);
       for (int64_t j = 0; j < kCols; ++j) {
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + at)));
-        low[j] = _mm512_fmadd_ps(x_low, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble)), low[j]);
-        high[j] = _mm512_fmadd_ps(x_high, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), high[j]);
+        low[j] = _mm512_fmadd_ps(x_low, low_nibbles(bytes, nibble_values), low[j]);
+        high[j] = _mm512_fmadd_ps(x_high, high_nibbles(bytes, nibble_values), high[j]);
       }
     }
     const int64_t g = g0 / group_size;
@@ -154,7 +163,7 @@ inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* cons
                            const float* const scales[kCols], int64_t in_features, int64_t group_size,
                            float sums[kRows][kCols]) {
   static_assert(kR >= 2 && kR <= kRows, "one row takes int4_row_tile");
-  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+  const __m512 nibble_values = nibble_table();
   const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kStep / 2);
   alignas(64) float totals[kR][kCols][kLanes] = {};
   for (int64_t g0 = 0; g0 < in_features; g0 += group_size) {
@@ -166,8 +175,7 @@ inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* cons
       const int64_t at = k / 2;
       for (int64_t j = 0; j < kCols; ++j) {
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + at)));
-        const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
-        const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        const __m512 low = low_nibbles(bytes, nibble_values), high = high_nibbles(bytes, nibble_values);
         for (int64_t i = 0; i < kR; ++i) {
           const float* xr = x + i * x_stride + k;
           acc[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + kLanes), high,
