@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Constrained, _Sampling
+from gateway.validation import MAX_SESSION_ID_LEN
 from protos import inference_pb2
 from shared.config import GatewayConfig
 from shared.sampling_params import MAX_SEED, MAX_SPECULATIVE_NGRAM_K, MAX_TOP_LOGPROBS
@@ -64,7 +65,7 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
     requests = []
     for prompt in prompts:
         request = inference_pb2.GenerateRequest(sampling=sampling, priority=body.priority,
-                                                truncate_prompt_tokens=_truncate(body), session_id=body.user or "")
+                                                truncate_prompt_tokens=_truncate(body), session_id=_session(body))
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -88,7 +89,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = inference_pb2.GenerateRequest(
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs"), priority=body.priority,
-        truncate_prompt_tokens=_truncate(body), session_id=body.user or "",
+        truncate_prompt_tokens=_truncate(body), session_id=_session(body),
         tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "")
     constraint, tool_calls = _constraint(body), _tool_constraint(body)
     if constraint is not None and tool_calls is not None:
@@ -269,6 +270,13 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
             raise BadRequest(f"logit_bias names token {int(key)} twice", "logit_bias")
         options.logit_bias[int(key)] = bias
     return options
+
+
+def _session(body: _Sampling) -> str:
+    """The OpenAI API's `user` is the request's session (gateway/routing.py's sticky sessions)."""
+    if body.user is not None and len(body.user) > MAX_SESSION_ID_LEN:
+        raise BadRequest(f"user is {len(body.user)} characters; at most {MAX_SESSION_ID_LEN}", "user")
+    return body.user or ""
 
 
 def _truncate(body: _Sampling) -> int:

@@ -77,6 +77,7 @@ BAD_BODIES = [
     ("/v1/completions", completion(min_tokens=10), 400, "min_tokens"),
     ("/v1/completions", completion(stream_options={"include_usage": True}), 400, "stream_options"),
     ("/v1/completions", completion(timeout=-1), 400, "timeout"),
+    ("/v1/completions", completion(user="u" * 257), 400, "user"),
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
     ("/v1/chat/completions", chat(messages=[{"role": "critic", "content": "x"}]), 400, "role"),
     ("/v1/chat/completions", chat(messages=[{"role": "tool", "content": "x"}]), 400, "tool_call_id"),
