@@ -22,6 +22,7 @@ from typing import AsyncIterator, Callable
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -45,6 +46,9 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 5
 # Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
 _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The response headers a browser page may read (CORS): ours, and the 429's retry hint.
+EXPOSED_HEADERS = ["x-request-id", "x-worker-id", "x-queue-ms", "x-ttft-ms", "x-total-ms", "retry-after",
+                   "x-should-retry"]
 
 
 def served_model_name(config) -> str:
@@ -77,6 +81,11 @@ class OpenAiApi:
         app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
         app.openapi = lambda: _without_422(app)
         app.add_middleware(ApiKeyCheck, admission=self.admission)
+        if self.config.gateway.cors_allow_origins:
+            # Added last, so outermost: a browser's preflight (which carries no key) is answered
+            # before the key check.
+            app.add_middleware(CORSMiddleware, allow_origins=list(self.config.gateway.cors_allow_origins),
+                               allow_methods=["GET", "POST"], allow_headers=["*"], expose_headers=EXPOSED_HEADERS)
         return app
 
     def _answer_error(self, http: Request, e: ApiError) -> JSONResponse:

@@ -73,6 +73,9 @@ class GatewayConfig:
     reuse_port: bool = False
     served_model_name: str = ""  # the `model` clients name; "" = the model folder's name
     max_body_bytes: int = 16 << 20  # an HTTP body beyond this is refused 413 before it is parsed
+    # Browser pages of these origins may call the HTTP API (CORS; "*" = any); () = none. A
+    # preflight is answered before the key check, which still holds for the call itself.
+    cors_allow_origins: tuple[str, ...] = ()
     max_n: int = 16  # choices per request (`n`)
     max_prompts: int = 256  # prompts per /v1/completions request (a list of prompts)
     # Who may call (gateway/auth.py, docs/security.md): one key per line with its name, role and

@@ -34,6 +34,9 @@ KEYS = {
 }
 
 
+ORIGIN = "https://chat.example"
+
+
 def bearer(name: str) -> tuple:
     return (("authorization", f"Bearer {KEYS[name][0]}"),)
 
@@ -42,7 +45,8 @@ def bearer(name: str) -> tuple:
 def cluster(served_checkpoint, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("keys") / "api_keys"
     keys_file.write_text("".join(f"{key} name={name} {extra}\n" for name, (key, extra) in KEYS.items()))
-    sections = {"gateway": {"api_keys_file": str(keys_file), "http_port": free_port()}}
+    sections = {"gateway": {"api_keys_file": str(keys_file), "http_port": free_port(),
+                            "cors_allow_origins": [ORIGIN]}}
     with Cluster(served_checkpoint, num_workers=1, sections=sections, api_key=KEYS["admin"][0]) as c:
         yield c
 
@@ -219,6 +223,34 @@ def test_a_key_at_its_stream_cap_gets_resource_exhausted(cluster):
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_a_browser_page_of_an_allowed_origin_may_call_with_a_key(cluster):
+    url = f"http://127.0.0.1:{cluster.http_port}/v1/chat/completions"
+
+    def call(method: str, origin: str, headers: dict, data: bytes | None = None):
+        request = urllib.request.Request(url, method=method, data=data, headers={"origin": origin, **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    preflight = {"access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    # A preflight carries no key: answered before the key check, for the allowed origin only.
+    status, headers, _ = call("OPTIONS", ORIGIN, preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    status, headers, _ = call("OPTIONS", "https://elsewhere.example", preflight)
+    assert status == 400 and "access-control-allow-origin" not in headers
+    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    status, headers, _ = call("POST", ORIGIN, {"content-type": "application/json",
+                                               "authorization": f"Bearer {KEYS['user'][0]}"}, body)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in headers["access-control-expose-headers"]
+    # The call itself still needs a key.
+    status, _, _ = call("POST", ORIGIN, {"content-type": "application/json"}, body)
+    assert status == 401
 
 
 def test_the_openai_client_needs_a_valid_key(cluster):
