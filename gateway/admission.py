@@ -122,8 +122,10 @@ class Admission:
             self.refuse(request_id, e.code, e.message)
         if self.dispatcher.requests.is_live(request_id, principal.name):  # cheap now; checked again at submit
             self.refuse_duplicate(request_id, principal)
-        room = self.dispatcher.largest_pool_tokens() or self.max_model_len
-        default_max_tokens = (self.config.gateway.chat_default_max_tokens or room if request.messages
+        # Only a request that sets no max_tokens is fitted into a worker's pool.
+        room = (None if request.sampling.HasField("max_tokens")
+                else self.dispatcher.registry.largest_pool_tokens(time.monotonic()) or self.max_model_len)
+        default_max_tokens = (self.config.gateway.chat_default_max_tokens or room if request.messages and room
                               else self.config.gateway.default_max_tokens)
         args = (request, self.tokenizer, self.max_model_len, default_max_tokens, self.constraints, room)
         try:

@@ -117,9 +117,6 @@ class Dispatcher:
     def has_live_worker(self) -> bool:
         return bool(self.registry.live(time.monotonic()))
 
-    def largest_pool_tokens(self) -> int:
-        return self.registry.largest_pool_tokens(time.monotonic())
-
     # ---- worker -> gateway ---------------------------------------------------------------------
     async def _recv_loop(self) -> None:
         while True:

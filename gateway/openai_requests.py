@@ -185,18 +185,12 @@ def _placed(parameters: dict, index: int, defs: dict[str, dict]) -> dict:
     itself (`$ref`s such as "#/$defs/Inner", which pydantic writes for nested models) is moved
     whole to the root's `$defs` under its own name, its local references rewritten to point
     there, so they still resolve, and two functions' definitions never meet."""
-    if not _has_local_ref(parameters):
-        return parameters
     name = f"function{index}"
-    defs[name] = _rebased(parameters, f"#/$defs/{name}")
+    rebased = _rebased(parameters, f"#/$defs/{name}")
+    if rebased == parameters:  # no local reference: it stays in place
+        return parameters
+    defs[name] = rebased
     return {"$ref": f"#/$defs/{name}"}
-
-
-def _has_local_ref(node) -> bool:
-    if isinstance(node, dict):
-        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _has_local_ref(v)
-                   for k, v in node.items())
-    return isinstance(node, list) and any(_has_local_ref(x) for x in node)
 
 
 def _rebased(node, base: str):

@@ -122,11 +122,10 @@ class RequestState:
 
     def _take(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, now_s: float) -> bool:
         self.output_ids.extend(token_ids)
-        if len(self.output_ids) < self.params.min_tokens:
+        text, stopped = self._detok.push(token_ids), False
+        if len(self.output_ids) >= self.params.min_tokens:
             # Stop strings, like EOS, count from the min_tokens-th token on (vLLM's rule).
-            text, stopped = self._detok.push(token_ids), False
-        else:
-            text, stopped = self._stops.push(self._detok.push(token_ids))
+            text, stopped = self._stops.push(text)
         self._emit(text, token_ids, logprobs)
         if stopped:
             self._finish("stop", now_s, tail="")

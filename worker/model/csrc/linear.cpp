@@ -388,9 +388,9 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
 
 namespace {
 // Which tile multiplies a single row of x by INT4 weights on an AVX512_BF16 build: bf16 dot
-// products or float FMAs. Measured per call (docs/benchmarks.md): on AMD Zen 5 the bf16 tile is
-// the faster; on an Intel Xeon the FMA tile takes 0.70x its time with the weights in cache and
-// 0.93x streaming them. "auto" picks by the CPU's vendor; tests and benchmarks force either.
+// products or float FMAs. Measured per call (docs/benchmarks.md, "One INT4 row on the Intel
+// host"): the bf16 tile is the faster on AMD Zen 5, the FMA tile on an Intel Xeon, in cache and
+// streamed. "auto" picks by the CPU's vendor; tests and benchmarks force either.
 std::atomic<int> g_int4_row_kernel{0};  // 0 auto, 1 bf16, 2 fma
 
 bool int4_row_takes_bf16() {
