@@ -149,13 +149,16 @@ def test_up_serve_lose_a_node_scale_and_down(served_checkpoint, ray_cluster, tmp
             assert {results[i][2].worker_id for i in range(8)} == {"worker-0", "worker-1"}
 
             # A node is lost mid-stream: its worker's streams resume on the other one, and Ray
-            # restarts the lost worker (its placement group bundle moves) once a node has room.
+            # restarts the lost worker (its placement group bundle moves) on a spare node. The
+            # spare joins before the loss: a raylet started while the GCS handles a killed node
+            # can miss Ray's fixed 30 s registration wait on a 2-core host.
+            ray_cluster.add_node(num_cpus=2)
+            ray_cluster.wait_for_nodes()
             streams, firsts = stream_all(stub, prompts[:4], LONG)
             victim = firsts[0].worker_id
             node = next(n for n in ray_cluster.list_all_nodes() if n.node_id == nodes[victim])
             ray_cluster.remove_node(node, allow_graceful=False)
             assert finish(streams, firsts) == expected_long
-            ray_cluster.add_node(num_cpus=2)
             report = deployment.wait_for(lambda r: serving(r, 2) and any(
                 w["worker_id"] == victim and w["restarted"] for w in r["workers"]), "the lost worker restarted")
             restarted = next(w for w in report["workers"] if w["worker_id"] == victim)
