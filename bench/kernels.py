@@ -134,17 +134,22 @@ def bench_int8_layouts(kernels, passes: int) -> None:
 
 def bench_int4_row_tiles(kernels, passes: int) -> None:
     """Weight-only INT4, one row of x per call, every layer's projections one after another: the
-    FMA tile against the bf16 tile (where the build has it), passes alternating, so a drifting host
-    hits both; and which one the build picks here by itself."""
+    FMA tile against the bf16 and int8 (VNNI) tiles where the build has them, passes alternating
+    (in a rotating order), so a drifting host hits all; and which one the build picks here by
+    itself."""
     from worker.model.quantization import quantize
     chosen = kernels.int4_row_kernel()
-    try:
-        kernels.int4_row_kernel("bf16")
-    except RuntimeError:
-        print(f"weight-only INT4, one row: this build has no bf16 tile (it runs {chosen})")
-        return
-    print(f"weight-only INT4 one row, groups of 128 (32 where K is not a multiple): median pass ms and weight GB/s, FMA tile / bf16 tile "
-          f"(< 1: FMA faster); this host picks {chosen}")
+    tiles = ["fma"]
+    for tile in ("bf16", "vnni"):
+        try:
+            kernels.int4_row_kernel(tile)
+            tiles.append(tile)
+        except RuntimeError:
+            pass
+    kernels.int4_row_kernel("auto")
+    print(f"weight-only INT4 one row, groups of 128 (32 where K is not a multiple): median pass ms and weight GB/s "
+          f"per tile, and each tile's time over the FMA tile's (< 1: faster); this build has {', '.join(tiles)}; "
+          f"this host picks {chosen}")
     try:
         for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
             layers = []
@@ -163,14 +168,14 @@ def bench_int4_row_tiles(kernels, passes: int) -> None:
                 for q, s, z, group in layers:
                     kernels.linear_small_batch_int4(xs[q.shape[1] * 2], q, s, z, group, outs[q.shape[0]])
                 return time.perf_counter() - start
-            times = {"fma": [], "bf16": []}
+            times: dict[str, list[float]] = {tile: [] for tile in tiles}
             for i in range(passes):
-                for tile in (("fma", "bf16") if i % 2 == 0 else ("bf16", "fma")):
+                for tile in tiles[i % len(tiles):] + tiles[:i % len(tiles)]:
                     times[tile].append(one_pass(tile))
             med = {tile: statistics.median(t) for tile, t in times.items()}
-            print(f"  [{model}, {num_layers} layers] fma {med['fma'] * 1e3:.2f} ms "
-                  f"({weight_bytes / med['fma'] / 1e9:.1f} GB/s), bf16 {med['bf16'] * 1e3:.2f} ms "
-                  f"({weight_bytes / med['bf16'] / 1e9:.1f} GB/s): {med['fma'] / med['bf16']:.2f}x")
+            print(f"  [{model}, {num_layers} layers] " + ", ".join(
+                f"{tile} {med[tile] * 1e3:.2f} ms ({weight_bytes / med[tile] / 1e9:.1f} GB/s, "
+                f"{med[tile] / med['fma']:.2f}x)" for tile in tiles))
     finally:
         kernels.int4_row_kernel("auto")
 
@@ -241,7 +246,7 @@ def main() -> None:
     parser.add_argument("--int8-layouts", action="store_true",
                         help="only weight-only INT8, per call: held panels against row-major and against plain panels")
     parser.add_argument("--int4-row-tiles", action="store_true",
-                        help="only weight-only INT4, one row per call: the FMA tile against the bf16 tile")
+                        help="only weight-only INT4, one row per call: the FMA tile against the bf16 and int8 tiles")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()

@@ -98,6 +98,17 @@ def _of_bound(runs: list[dict], side_gbps: str) -> float | None:
     return statistics.median(shares) if shares else None
 
 
+def pick_formats(names: str | None) -> list[tuple]:
+    """The FORMATS named in a comma-separated list (all for None), in the table's order."""
+    if names is None:
+        return list(FORMATS)
+    wanted = [name.strip() for name in names.split(",")]
+    unknown = [name for name in wanted if name not in {f[0] for f in FORMATS}]
+    if unknown:
+        raise ValueError(f"no format {', '.join(map(repr, unknown))}; the formats: {', '.join(f[0] for f in FORMATS)}")
+    return [f for f in FORMATS if f[0] in wanted]
+
+
 def probe_range(rounds: dict[str, dict[str, list[dict]]], key: str) -> tuple[float, float] | None:
     values = [r[key] for sides in rounds.values() for runs in sides.values() for r in runs if r.get(key)]
     return (min(values), max(values)) if values else None
@@ -106,6 +117,8 @@ def probe_range(rounds: dict[str, dict[str, list[dict]]], key: str) -> tuple[flo
 def summarize(rounds: dict[str, dict[str, list[dict]]], batched_bound: float | None = None) -> list[dict]:
     rows = []
     for name, _, kind in FORMATS:
+        if name not in rounds:  # left out by --formats
+            continue
         ours, theirs = rounds[name]["ours"], rounds[name]["theirs"]
         row = {"format": name, "llama_cpp": kind}
         for key in ("decode_tok_s", "batched_tok_s"):
@@ -176,8 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-batched", action="store_true", help="single stream only")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few tokens, one round")
+    parser.add_argument("--formats", default=None,
+                        help="comma-separated formats to run (default all): " + ", ".join(name for name, _, _ in FORMATS))
     parser.add_argument("--json", default=None, help=f"results file (default {DEFAULT_RESULTS.relative_to(REPO_ROOT)})")
     args = parser.parse_args(argv)
+    try:
+        formats = pick_formats(args.formats)
+    except ValueError as e:
+        parser.error(f"--formats: {e}")
     llama_dir, why = find_llama_cpp()
     if llama_dir is None:
         print(f"llama.cpp not found: {why}", file=sys.stderr)
@@ -188,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = ensure_checkpoint(args.model)
     ggufs = llama_cpp_tools.gguf_files(llama_dir, model_dir, args.model)
     torch.set_num_threads(args.threads)  # the memory probes stream on as many threads as the engines
-    rounds = {name: {"ours": [], "theirs": []} for name, _, _ in FORMATS}
+    rounds = {name: {"ours": [], "theirs": []} for name, _, _ in formats}
     for round_index in range(rounds_count):
-        for name, engine, kind in FORMATS:
+        for name, engine, kind in formats:
             sides = [("ours", lambda: run_ours(model_dir, engine, settings["decode_tokens"], batched, args.threads,
                                                args.repeats)),
                      ("theirs", lambda: run_theirs(llama_dir, ggufs[kind], settings["decode_tokens"], batched,

@@ -83,6 +83,17 @@ def test_the_summary_takes_medians_and_ratios():
     assert "| 300.0 (50%) | 150.0 (25%) | 2.00x |" in text and "at most 600 tok/s" in text
 
 
+def test_formats_are_picked_by_name_and_summarized_alone():
+    picked = vs_llama_cpp.pick_formats("int4 + int8 activations, float32")
+    assert [name for name, _, _ in picked] == ["float32", "int4 + int8 activations"]  # the table's order
+    assert vs_llama_cpp.pick_formats(None) == vs_llama_cpp.FORMATS
+    with pytest.raises(ValueError, match="no format 'int3'"):
+        vs_llama_cpp.pick_formats("int4,int3")
+    run = {"decode_tok_s": 10.0, "batched_tok_s": None, "weight_bytes_per_token": 1e6, "route": "r"}
+    rows = vs_llama_cpp.summarize({"int4": {"ours": [run], "theirs": [run]}})
+    assert [r["format"] for r in rows] == ["int4"] and rows[0]["ratio_decode_tok_s"] == 1.0
+
+
 def test_each_run_is_bounded_by_the_memory_rate_probed_before_it():
     """A host whose memory slows between two rounds: each run's share of the bound uses its own probe, so the
     slow round's rate is not read against the fast round's bandwidth (nor the other way round)."""

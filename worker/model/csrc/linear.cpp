@@ -387,39 +387,57 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
 }
 
 namespace {
-// Which tile multiplies a single row of x by INT4 weights on an AVX512_BF16 build: bf16 dot
-// products or float FMAs. Measured per call (docs/benchmarks.md, "One INT4 row on the Intel
-// host"): the bf16 tile is the faster on AMD Zen 5, the FMA tile on an Intel Xeon, in cache and
-// streamed. "auto" picks by the CPU's vendor; tests and benchmarks force either.
-std::atomic<int> g_int4_row_kernel{0};  // 0 auto, 1 bf16, 2 fma
+// Which tile multiplies a single row of x by INT4 weights: float FMAs on the raw nibbles, bf16
+// dot products (AVX512_BF16 builds) or int8 dot products (AVX512_VNNI builds). Measured per call
+// (docs/benchmarks.md, "One INT4 row"): on an Intel Xeon the int8 tile is the fastest, on AMD
+// Zen 5 the bf16 tile was measured faster than the FMA one. "auto" picks by the CPU's vendor
+// among the tiles this build has; tests and benchmarks force any of them.
+enum class Int4RowTile { kAuto, kFma, kBf16, kVnni };
+std::atomic<Int4RowTile> g_int4_row_tile{Int4RowTile::kAuto};
 
-bool int4_row_takes_bf16() {
-  static const bool amd = [] {
+#ifdef HAVE_AVX512_BF16_NIBBLES
+constexpr bool kBf16TileBuilt = true;
+#else
+constexpr bool kBf16TileBuilt = false;
+#endif
+#ifdef HAVE_AVX512_VNNI_NIBBLES
+constexpr bool kVnniTileBuilt = true;
+#else
+constexpr bool kVnniTileBuilt = false;
+#endif
+
+Int4RowTile int4_row_tile_in_use() {
+  static const Int4RowTile automatic = [] {
+    bool amd = false;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-#else
-    return false;
+    amd = __builtin_cpu_is("amd") != 0;
 #endif
+    if (amd && kBf16TileBuilt) return Int4RowTile::kBf16;
+    return kVnniTileBuilt ? Int4RowTile::kVnni : Int4RowTile::kFma;
   }();
-  const int choice = g_int4_row_kernel.load(std::memory_order_relaxed);
-  return choice == 0 ? amd : choice == 1;
+  const Int4RowTile choice = g_int4_row_tile.load(std::memory_order_relaxed);
+  return choice == Int4RowTile::kAuto ? automatic : choice;
 }
 }  // namespace
 
 std::string int4_row_kernel(const std::string& choice) {
-#ifdef HAVE_AVX512_BF16_NIBBLES
-  const bool bf16_built = true;
-#else
-  const bool bf16_built = false;
-#endif
   if (!choice.empty()) {
-    TORCH_CHECK(choice == "auto" || choice == "fma" || (choice == "bf16" && bf16_built),
-                "int4_row_kernel: \"auto\", \"fma\"", bf16_built ? " or \"bf16\"" : " (this build has no bf16 tile)",
-                ", got ", choice);
-    g_int4_row_kernel.store(choice == "auto" ? 0 : choice == "bf16" ? 1 : 2, std::memory_order_relaxed);
+    TORCH_CHECK(choice == "auto" || choice == "fma" || (choice == "bf16" && kBf16TileBuilt) ||
+                    (choice == "vnni" && kVnniTileBuilt),
+                "int4_row_kernel: \"auto\", \"fma\"", kBf16TileBuilt ? ", \"bf16\"" : "",
+                kVnniTileBuilt ? ", \"vnni\"" : "", " (the tiles this build has), got ", choice);
+    g_int4_row_tile.store(choice == "auto"   ? Int4RowTile::kAuto
+                          : choice == "bf16" ? Int4RowTile::kBf16
+                          : choice == "vnni" ? Int4RowTile::kVnni
+                                             : Int4RowTile::kFma,
+                          std::memory_order_relaxed);
   }
-  return bf16_built && int4_row_takes_bf16() ? "bf16" : "fma";
+  switch (int4_row_tile_in_use()) {
+    case Int4RowTile::kBf16: return "bf16";
+    case Int4RowTile::kVnni: return "vnni";
+    default: return "fma";
+  }
 }
 
 // x [M, K] float32, qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the
@@ -472,17 +490,30 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   namespace wide = weight_only_avx512;
   static_assert(wide::kSplitRun == wide::kStep, "a step is one run of split nibbles");
   if (group_size % wide::kSplitRun == 0) {
+    // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through the
+    // chosen one-row tile; the bf16 and int8 ones take x prepared once for all their tiles (the
+    // int8 one with its own sums of x, for the zero-point term), and only the rows before it are
+    // split for the float tiles.
+    const Int4RowTile row_tile = rows % wide::kRows == 1 ? int4_row_tile_in_use() : Int4RowTile::kFma;
+    const float* last_x = x_ptr + (rows - 1) * in_features;
 #ifdef HAVE_AVX512_BF16_NIBBLES
-    // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through bf16
-    // dot products (int4_row_tile_bf16), prepared once for all its tiles; only the rows before it
-    // are split for the float tiles.
-    const bool bf16_row = group_size % wide::kNibbleRun == 0 && rows % wide::kRows == 1 && int4_row_takes_bf16();
-    const wide::NibbleRowX last_row =
-        bf16_row ? wide::split_x_bf16(x_ptr + (rows - 1) * in_features, in_features, group_size) : wide::NibbleRowX{};
+    const bool bf16_row = row_tile == Int4RowTile::kBf16 && group_size % wide::kNibbleRun == 0;
+    const wide::NibbleRowX last_row = bf16_row ? wide::split_x_bf16(last_x, in_features, group_size) : wide::NibbleRowX{};
 #else
     constexpr bool bf16_row = false;
 #endif
-    const std::vector<float> split_x = split_features<wide::kSplitRun>(x_ptr, rows - (bf16_row ? 1 : 0), in_features);
+#ifdef HAVE_AVX512_VNNI_NIBBLES
+    const bool vnni_row = row_tile == Int4RowTile::kVnni && group_size % wide::kVnniRun == 0 &&
+                          group_size <= wide::kVnniMaxGroup;
+    const wide::NibbleRowParts last_parts =
+        vnni_row ? wide::split_x_int8(last_x, in_features, group_size) : wide::NibbleRowParts{};
+    if (vnni_row) std::copy(last_parts.sums.begin(), last_parts.sums.end(), x_sums.begin() + (rows - 1) * num_groups);
+#else
+    constexpr bool vnni_row = false;
+#endif
+    (void)last_x;
+    const std::vector<float> split_x =
+        split_features<wide::kSplitRun>(x_ptr, rows - (bf16_row || vnni_row ? 1 : 0), in_features);
     return for_each_output_tile<wide::kRows, wide::kCols>(
         rows, out_features, out.data_ptr<float>(),
         [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
@@ -504,6 +535,10 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
 #ifdef HAVE_AVX512_BF16_NIBBLES
           else if (bf16_row)
             wide::int4_row_tile_bf16(last_row, row_weights, row_scales, in_features, group_size, total[0]);
+#endif
+#ifdef HAVE_AVX512_VNNI_NIBBLES
+          else if (vnni_row)
+            wide::int4_row_tile_vnni(last_parts, row_weights, row_scales, in_features, group_size, total[0]);
 #endif
           else
             wide::int4_row_tile(x_rows, row_weights, row_scales, in_features, group_size, total[0]);
