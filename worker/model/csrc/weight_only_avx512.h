@@ -34,21 +34,28 @@ inline void prefetch_ahead(const void* weights) {
 // memory, and the next tile's right after them. Each step of the tile fetches its share of the
 // next tile's bytes as one forward stream (spread evenly over the tile's steps), so that tile
 // starts warm: per-row prefetches a fixed distance ahead left kCols rows to start cold at every
-// tile (docs/benchmarks.md has the measurement).
+// tile (docs/benchmarks.md has the measurement). A tile whose arithmetic is light enough to
+// outrun that (the int8 one-row tile) also asks for the tile after the next one into L2: the
+// requests to L1 alone keep too few lines in flight to stream at the memory's rate.
 class NextTilePrefetch {
  public:
   // `last_row`: the tile's last weight row; `row_bytes`: bytes a row; `step_bytes`: bytes a row
-  // gives each step.
-  NextTilePrefetch(const void* last_row, int64_t row_bytes, int64_t step_bytes)
-      : next_(static_cast<const char*>(last_row) + row_bytes), lines_per_step_(kCols * step_bytes / 64) {}
+  // gives each step; `and_the_one_after`: also the tile after the next, to L2.
+  NextTilePrefetch(const void* last_row, int64_t row_bytes, int64_t step_bytes, bool and_the_one_after = false)
+      : next_(static_cast<const char*>(last_row) + row_bytes),
+        lines_per_step_(kCols * step_bytes / 64),
+        after_(and_the_one_after ? kCols * row_bytes : 0) {}
   void step(int64_t index) const {
-    for (int64_t line = 0; line < lines_per_step_; ++line)
-      _mm_prefetch(next_ + (index * lines_per_step_ + line) * 64, _MM_HINT_T0);
+    for (int64_t line = 0; line < lines_per_step_; ++line) {
+      const char* at = next_ + (index * lines_per_step_ + line) * 64;
+      _mm_prefetch(at, _MM_HINT_T0);
+      if (after_) _mm_prefetch(at + after_, _MM_HINT_T1);
+    }
   }
 
  private:
   const char* next_;
-  int64_t lines_per_step_;
+  int64_t lines_per_step_, after_;
 };
 
 // 16 int8 weights -> 16 floats.
@@ -366,7 +373,7 @@ inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const row
                                const float* const scales[kCols], int64_t in_features, int64_t group_size,
                                float sums[kCols]) {
   const __m512i low_nibble = _mm512_set1_epi8(0x0F);
-  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kVnniRun / 2);
+  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kVnniRun / 2, /*and_the_one_after=*/true);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
   for (int64_t g0 = 0, g = 0; g0 < in_features; g0 += group_size, ++g) {
