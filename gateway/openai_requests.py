@@ -19,6 +19,9 @@ from protos import inference_pb2
 from shared.config import GatewayConfig
 from shared.sampling_params import MAX_SEED, MAX_SPECULATIVE_NGRAM_K, MAX_TOP_LOGPROBS
 
+# OpenAI's completions API takes up to 5 alternatives per token (its chat API 20: MAX_TOP_LOGPROBS).
+MAX_COMPLETION_LOGPROBS = 5
+
 # The status an OpenAI client library maps each outcome to (401/403 are the auth layer's).
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -58,7 +61,7 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
     if body.echo and body.logprobs is not None:
         raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which this server does not "
                          "compute; drop one of them", "echo")
-    sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs")
+    sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
     constraint = _constraint(body)
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint)
@@ -88,7 +91,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
                          else (body.max_tokens, "max_tokens"))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     request = inference_pb2.GenerateRequest(
-        sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs"), priority=body.priority,
+        sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs", MAX_TOP_LOGPROBS), priority=body.priority,
         truncate_prompt_tokens=_truncate(body), session_id=_session(body),
         tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "")
     constraint, tool_calls = _constraint(body), _tool_constraint(body)
@@ -218,11 +221,11 @@ def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:
 
 
 def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
-              logprobs_name: str) -> inference_pb2.SamplingOptions:
+              logprobs_name: str, logprobs_limit: int) -> inference_pb2.SamplingOptions:
     if body.seed is not None and not 0 <= body.seed < MAX_SEED:
         raise BadRequest(f"seed must be in [0, 2**63), got {body.seed}", "seed")
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise BadRequest(f"{logprobs_name} must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", logprobs_name)
+    if logprobs is not None and not 0 <= logprobs <= logprobs_limit:
+        raise BadRequest(f"{logprobs_name} must be in [0, {logprobs_limit}], got {logprobs}", logprobs_name)
     if max_tokens is not None and max_tokens < 1:
         raise BadRequest(f"{max_tokens_name} must be >= 1, got {max_tokens}", max_tokens_name)
     if not 0 <= body.min_tokens < 2**31:

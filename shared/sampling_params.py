@@ -13,8 +13,8 @@ from typing import Any
 # Seeds must fit a signed 64-bit integer so every torch backend (and any IPC encoding) can hold them.
 MAX_SEED = 2**63
 # OpenAI's ranges: penalties in [-2, 2], a logit bias in [-100, 100] (enough to force or ban a token
-# outright), and up to 5 alternatives per token (its completions API's bound; each one costs the worker).
-MAX_TOP_LOGPROBS = 5
+# outright), and up to 20 alternatives per token (its chat API's bound; its completions API takes 5).
+MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 # The most draft tokens a step may verify per request (speculative decoding by prompt lookup): each

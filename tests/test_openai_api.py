@@ -193,15 +193,14 @@ def test_logprobs_equal_the_engines(client, engine, tokenizer):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                          temperature=0.8, seed=3, logprobs=True, top_logprobs=5,
+                                          temperature=0.8, seed=3, logprobs=True, top_logprobs=20,
                                           extra_body={"return_token_ids": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == len(chat.choices[0].token_ids)
     for entry in content:
         tops = [t.logprob for t in entry.top_logprobs]
-        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
-        # Sampled, not greedy: the chosen token is at most as likely as the most likely one, and
-        # at least as likely as the fifth when it is among them.
+        assert len(tops) == 20 and tops == sorted(tops, reverse=True)  # OpenAI's chat bound
+        # Sampled, not greedy: the chosen token is at most as likely as the most likely one.
         assert entry.logprob <= tops[0] + 1e-6 and entry.logprob <= 0
         # A whole character's token has its text's bytes; a part of one has its raw bytes.
         assert entry.bytes == list(entry.token.encode()) or "\ufffd" in entry.token

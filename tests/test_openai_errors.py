@@ -91,7 +91,7 @@ BAD_BODIES = [
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "type"),
     ("/v1/chat/completions", chat(messages=[{"role": "user"}]), 400, "content"),
     ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs"),
-    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=6), 400, "top_logprobs"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("/v1/chat/completions", chat(max_tokens=4, max_completion_tokens=4), 400, "max_completion_tokens"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
 ]

@@ -27,7 +27,8 @@ def test_defaults():
     assert p.logprobs is False
     assert p.is_greedy is False
     assert (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.min_tokens, p.top_logprobs) == (0.0, 0.0, (), 0, 0)
-    assert MAX_TOP_LOGPROBS == 5
+    assert MAX_TOP_LOGPROBS == 20  # OpenAI's chat bound
+    assert SamplingParams(logprobs=True, top_logprobs=20).top_logprobs == 20
 
 
 def test_is_greedy_only_at_zero_temperature():
@@ -152,8 +153,8 @@ INVALID = [
     ({"min_tokens": 5, "max_tokens": 4}, ["min_tokens", "got 5", "[0, max_tokens=4]"]),
     ({"min_tokens": 1.0}, ["min_tokens", "got 1.0", "int"]),
     ({"min_tokens": True}, ["min_tokens", "got True"]),
-    ({"top_logprobs": 6, "logprobs": True}, ["top_logprobs", "got 6", "[0, 5]"]),
-    ({"top_logprobs": -1, "logprobs": True}, ["top_logprobs", "got -1", "[0, 5]"]),
+    ({"top_logprobs": 21, "logprobs": True}, ["top_logprobs", "got 21", "[0, 20]"]),
+    ({"top_logprobs": -1, "logprobs": True}, ["top_logprobs", "got -1", "[0, 20]"]),
     ({"top_logprobs": 2.0, "logprobs": True}, ["top_logprobs", "got 2.0", "int"]),
     ({"top_logprobs": "2", "logprobs": True}, ["top_logprobs", "got '2'"]),
     ({"top_logprobs": 2}, ["top_logprobs=2", "logprobs=True", "logprobs=False"]),
