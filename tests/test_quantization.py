@@ -333,17 +333,19 @@ def test_int8_keeps_the_default_models_greedy_outputs():
     assert int8.quantization_report.quantized_bytes < int8.quantization_report.float_bytes / 3.5
 
 
-@pytest.mark.parametrize("tile", ["bf16", "fma", "vnni"])
-def test_a_single_int4_row_keeps_float_activations(tile):
+@pytest.mark.parametrize("tile,group_size", [("bf16", 128), ("fma", 128), ("vnni", 128), ("vnni", 256), ("vnni", 64)])
+def test_a_single_int4_row_keeps_float_activations(tile, group_size):
     """One row of x by INT4 weights takes its own tile (float FMAs on the raw nibbles; bf16 dot
     products with x split into two bf16 parts, on AVX512_BF16 builds; int8 dot products with x as
     two int8 parts of a group's grid, on AVX512_VNNI builds): its error against float64 stays a
     small fraction of what rounding x once to bf16 (or to int8) would give, at every scale of x,
     and it agrees with the same row computed among others (the float FMA tiles) to float32
-    precision (relative to the output's scale: the int8 parts hold x to 2^-16 of its group's
-    largest element, the product of such an x and the INT4 weights is exact)."""
+    precision (the int8 tile: within its grid's bound, the int8 parts holding x to 2^-16 of the
+    largest |x| of its 32 features, the product of such an x and the INT4 weights exact). Groups the int8
+    tile does not take (not whole runs of 128) go through the FMA tile, and a group of x that is
+    all zeros stays exact."""
     torch.manual_seed(3)
-    qw = quantize(torch.randn(200, 1024), 4, group_size=128)
+    qw = quantize(torch.randn(200, 1024), 4, group_size=group_size)
     layer = QuantizedLinear(qw, path="ours")
     if not layer.path_available("ours", torch.device("cpu")):
         pytest.skip("our CPU kernels are not built here")
@@ -357,13 +359,22 @@ def test_a_single_int4_row_keeps_float_activations(tile):
         w = dequantize(qw).double()
         for scale in (1e-3, 1.0, 1e3):
             x = torch.randn(3, 1024) * scale
-            x[0, 5] *= 40  # an outlier feature, as activations have: the group's grid follows it
+            x[0, 5] *= 40  # an outlier feature, as activations have: its 32 features' grid follows it
+            x[0, group_size:2 * group_size] = 0
             reference = x[:1].double() @ w.t()
             alone = layer(x[:1]).double()
             bf16_once = x[:1].bfloat16().double() @ w.t()
             assert (alone - reference).abs().max() < (bf16_once - reference).abs().max() / 16
-            torch.testing.assert_close(alone, layer(x)[:1].double(), rtol=1e-4,
-                                       atol=3e-5 * reference.abs().max().item())
+            atol = 3e-5 * reference.abs().max().item()
+            if tile == "vnni" and group_size % 128 == 0:
+                # Each element is held to its 32 features' unit, 1/(127 * 256) of their largest |x|
+                # (half that but where the residual's rounding clamps): the error of each output is
+                # within the weights' magnitudes times those units, plus float32 rounding.
+                units = x[0].double().view(-1, 32).abs().amax(1).repeat_interleave(32) / (127 * 256)
+                grid_bound = w.abs() @ units
+                assert ((alone[0] - reference[0]).abs() <= grid_bound + 1e-6 * reference.abs().max()).all()
+                atol = max(atol, grid_bound.max().item())
+            torch.testing.assert_close(alone, layer(x)[:1].double(), rtol=1e-4, atol=atol)
     finally:
         kernels.int4_row_kernel("auto")
 

@@ -503,8 +503,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     constexpr bool bf16_row = false;
 #endif
 #ifdef HAVE_AVX512_VNNI_NIBBLES
-    const bool vnni_row = row_tile == Int4RowTile::kVnni && group_size % wide::kVnniRun == 0 &&
-                          group_size <= wide::kVnniMaxGroup;
+    const bool vnni_row = row_tile == Int4RowTile::kVnni && group_size % wide::kVnniRun == 0;
     const wide::NibbleRowParts last_parts =
         vnni_row ? wide::split_x_int8(last_x, in_features, group_size) : wide::NibbleRowParts{};
     if (vnni_row) std::copy(last_parts.sums.begin(), last_parts.sums.end(), x_sums.begin() + (rows - 1) * num_groups);

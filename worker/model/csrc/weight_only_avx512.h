@@ -307,68 +307,59 @@ inline void int4_row_tile_bf16(const NibbleRowX& x, const uint8_t* const rows[kC
 // unit with, lower its residual in 1/256 of that step, so each element keeps 2^-16 of that
 // largest; the integer dots are exact, and the result is the float32 product of that x and the
 // INT4 weights. A step's 64 bytes put each 32 features' products in 4 lanes of their own (lanes
-// 4q..4q+3 sum features 32q..32q+31 of the step's 128), so a unit is per group and quarter of a
-// step: where groups are 128 features, per 32, as q8_0's scales, and an outlier coarsens only
-// its own 32. The zero-point term must take the same x (NibbleRowParts::sums), so the error is
-// the sum of centred weights times the residuals.
+// 4q..4q+3 sum features 32q..32q+31 of the step's 128), and each step's dots are scaled as they
+// end, so a unit is per 32 features, as q8_0's scales: an outlier coarsens only its own 32. The
+// zero-point term must take the same x (NibbleRowParts::sums), so the error is the sum of
+// centred weights times the residuals.
 constexpr int64_t kVnniRun = 128;  // features per step: 64 weight bytes, low nibbles the even features
-constexpr int64_t kVnniMaxGroup = 4096;  // 256 * upper + lower stays within int32 over a group
 
-// One row of x for int4_row_tile_vnni: per run of 128 features, 256 bytes: the upper part of the
-// 64 even features, of the 64 odd ones, then the lower part of each; per group, its 4 units, as
-// the 16 lanes they scale, and the sum of x as the parts give it.
+// One row of x for int4_row_tile_vnni: per run of 128 features, 256 bytes (the upper part of the
+// 64 even features, of the 64 odd ones, then the lower part of each) and 16 units (each 32
+// features' unit, for the 4 lanes it scales); per group, the sum of x as the parts give it.
 struct NibbleRowParts {
   std::vector<int8_t> bytes;
   std::vector<float> lane_units, sums;
 };
 
 inline NibbleRowParts split_x_int8(const float* x, int64_t in_features, int64_t group_size) {
-  const int64_t num_groups = in_features / group_size;
-  NibbleRowParts out{std::vector<int8_t>(2 * in_features), std::vector<float>(num_groups * kLanes),
-                     std::vector<float>(num_groups)};
+  NibbleRowParts out{std::vector<int8_t>(2 * in_features), std::vector<float>(in_features / kVnniRun * kLanes),
+                     std::vector<float>(in_features / group_size)};
   const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
   const __m512 low_limit = _mm512_set1_ps(-128.f), high_limit = _mm512_set1_ps(127.f);
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (int64_t g0 = 0, g = 0; g0 < in_features; g0 += group_size, ++g) {
-    float sum = 0.f;
+  for (int64_t k = 0; k < in_features; k += kVnniRun) {
+    int8_t* run = out.bytes.data() + 2 * k;
+    float* units = out.lane_units.data() + k / kVnniRun * kLanes;
     for (int64_t quarter = 0; quarter < 4; ++quarter) {
-      __m512 largest = _mm512_setzero_ps();
-      for (int64_t k = g0 + 32 * quarter; k < g0 + group_size; k += kVnniRun)
-        largest = _mm512_max_ps(largest, _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + k)),
-                                                       _mm512_abs_ps(_mm512_loadu_ps(x + k + kLanes))));
-      const float top = _mm512_reduce_max_ps(largest);
+      const float* block = x + k + 32 * quarter;
+      const __m512 a = _mm512_loadu_ps(block), b = _mm512_loadu_ps(block + kLanes);
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const float unit = top / 127.f / 256.f;
-      std::fill_n(out.lane_units.data() + g * kLanes + 4 * quarter, 4, unit);
+      std::fill_n(units + 4 * quarter, 4, unit);
       if (top == 0.f) continue;  // parts stay zero
       const __m512 to_upper = _mm512_set1_ps(127.f / top);
       __m512i total = _mm512_setzero_si512();
-      for (int64_t k = g0 + 32 * quarter; k < g0 + group_size; k += kVnniRun) {
-        int8_t* run = out.bytes.data() + 2 * (k - 32 * quarter);
-        const __m512 a = _mm512_loadu_ps(x + k), b = _mm512_loadu_ps(x + k + kLanes);
-        for (int64_t parity = 0; parity < 2; ++parity) {
-          const __m512 scaled = _mm512_mul_ps(_mm512_permutex2var_ps(a, parity ? odds : evens, b), to_upper);
-          const __m512 upper = _mm512_roundscale_ps(scaled, kNearest);
-          const __m512 lower = _mm512_min_ps(high_limit, _mm512_max_ps(low_limit, _mm512_roundscale_ps(
-                                   _mm512_mul_ps(_mm512_sub_ps(scaled, upper), _mm512_set1_ps(256.f)), kNearest)));
-          const __m512i upper_i = _mm512_cvtps_epi32(upper), lower_i = _mm512_cvtps_epi32(lower);
-          total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(upper_i, 8), lower_i));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(run + 64 * parity + 16 * quarter), _mm512_cvtepi32_epi8(upper_i));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(run + 128 + 64 * parity + 16 * quarter),
-                           _mm512_cvtepi32_epi8(lower_i));
-        }
+      for (int64_t parity = 0; parity < 2; ++parity) {
+        const __m512 scaled = _mm512_mul_ps(_mm512_permutex2var_ps(a, parity ? odds : evens, b), to_upper);
+        const __m512 upper = _mm512_roundscale_ps(scaled, kNearest);
+        const __m512 lower = _mm512_min_ps(high_limit, _mm512_max_ps(low_limit, _mm512_roundscale_ps(
+                                 _mm512_mul_ps(_mm512_sub_ps(scaled, upper), _mm512_set1_ps(256.f)), kNearest)));
+        const __m512i upper_i = _mm512_cvtps_epi32(upper), lower_i = _mm512_cvtps_epi32(lower);
+        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(upper_i, 8), lower_i));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(run + 64 * parity + 16 * quarter), _mm512_cvtepi32_epi8(upper_i));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(run + 128 + 64 * parity + 16 * quarter),
+                         _mm512_cvtepi32_epi8(lower_i));
       }
-      sum += unit * static_cast<float>(_mm512_reduce_add_epi32(total));
+      out.sums[(k + 32 * quarter) / group_size] += unit * static_cast<float>(_mm512_reduce_add_epi32(total));
     }
-    out.sums[g] = sum;
   }
   return out;
 }
 
 // int4_row_tile's sums (sums[j] = sum over groups g of scales[j][g] * x_g . q_g) through int8 dot
-// products, x as split_x_int8 gives it: per group, each row's upper and lower dots accumulate
-// apart as integers and meet once, as 256 * upper + lower, scaled lane by lane by x's units
-// times the weight's scale.
+// products, x as split_x_int8 gives it: each step, each row's upper and lower dots meet as
+// 256 * upper + lower and are scaled lane by lane by x's units times the weight's group scale.
 inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const rows[kCols],
                                const float* const scales[kCols], int64_t in_features, int64_t group_size,
                                float sums[kCols]) {
@@ -376,27 +367,24 @@ inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const row
   const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kVnniRun / 2, /*and_the_one_after=*/true);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
-  for (int64_t g0 = 0, g = 0; g0 < in_features; g0 += group_size, ++g) {
-    __m512i upper[kCols], lower[kCols];
-    for (int64_t j = 0; j < kCols; ++j) upper[j] = lower[j] = _mm512_setzero_si512();
-    for (int64_t k = g0; k < g0 + group_size; k += kVnniRun) {
-      next_tile.step(k / kVnniRun);
-      const int8_t* run = x.bytes.data() + 2 * k;
-      const __m512i upper_even = _mm512_loadu_si512(run), upper_odd = _mm512_loadu_si512(run + 64);
-      const __m512i lower_even = _mm512_loadu_si512(run + 128), lower_odd = _mm512_loadu_si512(run + 192);
-      const int64_t at = k / 2;
-      for (int64_t j = 0; j < kCols; ++j) {
-        const __m512i bytes = _mm512_loadu_si512(rows[j] + at);
-        const __m512i even = _mm512_and_si512(bytes, low_nibble);
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibble);
-        upper[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(upper[j], even, upper_even), odd, upper_odd);
-        lower[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lower[j], even, lower_even), odd, lower_odd);
-      }
-    }
-    const __m512 units = _mm512_loadu_ps(x.lane_units.data() + g * kLanes);
-    for (int64_t j = 0; j < kCols; ++j)
-      sum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(upper[j], 8), lower[j])),
+  for (int64_t k = 0; k < in_features; k += kVnniRun) {
+    next_tile.step(k / kVnniRun);
+    const int8_t* run = x.bytes.data() + 2 * k;
+    const __m512i upper_even = _mm512_loadu_si512(run), upper_odd = _mm512_loadu_si512(run + 64);
+    const __m512i lower_even = _mm512_loadu_si512(run + 128), lower_odd = _mm512_loadu_si512(run + 192);
+    const __m512 units = _mm512_loadu_ps(x.lane_units.data() + k / kVnniRun * kLanes);
+    const int64_t at = k / 2, g = k / group_size;
+    for (int64_t j = 0; j < kCols; ++j) {
+      const __m512i bytes = _mm512_loadu_si512(rows[j] + at);
+      const __m512i even = _mm512_and_si512(bytes, low_nibble);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibble);
+      const __m512i upper = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, upper_even), odd,
+                                                upper_odd);
+      const __m512i lower = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, lower_even), odd,
+                                                lower_odd);
+      sum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(upper, 8), lower)),
                                _mm512_mul_ps(units, _mm512_set1_ps(scales[j][g])), sum[j]);
+    }
   }
   sum_each(sum, sums);
 }
