@@ -97,7 +97,9 @@ constexpr int64_t grouped_panel_offset(int64_t p, int64_t in_features) {
 // (into L2: the panel in use keeps L1) by the row tile with k % num_tiles == tile, one line per
 // kLinesPerRow rows, so the next panel streams in from memory evenly over all of this panel's
 // compute rather than after it (or in a burst that fills the core's miss buffers and stalls
-// the FMAs).
+// the FMAs). An int8 panel, read at four times float32's bytes per FMA, also asks for its own
+// line kInt8AheadBytes ahead into L1 (docs/benchmarks.md has the measurement).
+constexpr int64_t kInt8AheadBytes = 1024;
 template <int MR, bool kPrefetch, typename W, int kPanels = 1, int kGroup = 1>
 inline void panel_tile(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, const W* next, int64_t tile, int64_t num_tiles) {
@@ -118,8 +120,12 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
 #pragma GCC unroll 4
-      for (int q = 0; q < kPanels; q += kGroup)
+      for (int q = 0; q < kPanels; q += kGroup) {
         _mm_prefetch(reinterpret_cast<const char*>(next + panel_offset(q) + k * kRowStride), _MM_HINT_T1);
+        if constexpr (std::is_same_v<W, int8_t>)
+          _mm_prefetch(reinterpret_cast<const char*>(panel + panel_offset(q) + k * kRowStride) + kInt8AheadBytes,
+                       _MM_HINT_T0);
+      }
       prefetch_k += num_tiles * kRowsPerLine;
     }
     __m512 w[kPanels];
