@@ -375,6 +375,10 @@ def test_a_single_int4_row_keeps_float_activations(tile, group_size):
                 assert ((alone[0] - reference[0]).abs() <= grid_bound + 1e-6 * reference.abs().max()).all()
                 atol = max(atol, grid_bound.max().item())
             torch.testing.assert_close(alone, layer(x)[:1].double(), rtol=1e-4, atol=atol)
+        for bad in (float("nan"), float("inf")):  # a non-finite x gives no finite output, as in float
+            x = torch.randn(1, 1024)
+            x[0, 7] = bad
+            assert not layer(x).isfinite().any()
     finally:
         kernels.int4_row_kernel("auto")
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
@@ -335,9 +336,13 @@ inline NibbleRowParts split_x_int8(const float* x, int64_t in_features, int64_t 
       const float* block = x + k + 32 * quarter;
       const __m512 a = _mm512_loadu_ps(block), b = _mm512_loadu_ps(block + kLanes);
       const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float unit = top / 127.f / 256.f;
+      // A NaN or infinity in x makes the unit NaN, so every output is NaN as the float product's
+      // would not be finite either (the parts alone would turn it into some finite value).
+      constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +inf, -inf, signalling NaN
+      const bool finite = (_mm512_fpclass_ps_mask(a, kNotFinite) | _mm512_fpclass_ps_mask(b, kNotFinite)) == 0;
+      const float unit = finite ? top / 127.f / 256.f : std::numeric_limits<float>::quiet_NaN();
       std::fill_n(units + 4 * quarter, 4, unit);
-      if (top == 0.f) continue;  // parts stay zero
+      if (top == 0.f || !finite) continue;  // parts stay zero
       const __m512 to_upper = _mm512_set1_ps(127.f / top);
       __m512i total = _mm512_setzero_si512();
       for (int64_t parity = 0; parity < 2; ++parity) {
