@@ -475,14 +475,16 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
                                     }));
   }
 #endif
-  // sum(x_g) per row and group, for the zero-point term.
+  // sum(x_g) per row and group, for the zero-point term; the rows before `m_end`.
   std::vector<float> x_sums(rows * num_groups);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t g = 0; g < num_groups; ++g) {
-      float sum = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
-      x_sums[m * num_groups + g] = sum;
-    }
+  auto sum_groups = [&](int64_t m_end) {
+    for (int64_t m = 0; m < m_end; ++m)
+      for (int64_t g = 0; g < num_groups; ++g) {
+        float sum = 0.f;
+        for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
+        x_sums[m * num_groups + g] = sum;
+      }
+  };
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   // Each tile accumulates every group's x_g . q_g on the raw nibbles, in the nibble-split order,
   // scales it once per group and adds the zero-point term at the end (int4_row_tile for one row,
@@ -511,6 +513,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     constexpr bool vnni_row = false;
 #endif
     (void)last_x;
+    sum_groups(rows - (vnni_row ? 1 : 0));  // the int8 tile's row has its sums already
     const std::vector<float> split_x =
         split_features<wide::kSplitRun>(x_ptr, rows - (bf16_row || vnni_row ? 1 : 0), in_features);
     return for_each_output_tile<wide::kRows, wide::kCols>(
@@ -549,6 +552,7 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
         });
   }
 #endif
+  sum_groups(rows);
   auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
     return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
   };
