@@ -132,12 +132,23 @@ def bench_int8_layouts(kernels, passes: int) -> None:
         print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
 
 
+def _int4_projections(shapes: list[tuple[int, int]], num_layers: int) -> list:
+    """Every layer's projections as random INT4 weights, groups of 128 (32 where K is not a multiple),
+    with their group size."""
+    from worker.model.quantization import quantize
+    projections = []
+    for _ in range(num_layers):
+        for n, k in shapes:
+            group = 128 if k % 128 == 0 else 32
+            projections.append((quantize(torch.randn(n, k) * 0.02, 4, group), group))
+    return projections
+
+
 def bench_int4_row_tiles(kernels, passes: int) -> None:
     """Weight-only INT4, one row of x per call, every layer's projections one after another: the
     FMA tile against the bf16 and int8 (VNNI) tiles where the build has them, passes alternating
     (in a rotating order), so a drifting host hits all; and which one the build picks here by
     itself."""
-    from worker.model.quantization import quantize
     chosen = kernels.int4_row_kernel()
     tiles = ["fma"]
     for tile in ("bf16", "vnni"):
@@ -152,12 +163,7 @@ def bench_int4_row_tiles(kernels, passes: int) -> None:
           f"this host picks {chosen}")
     try:
         for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
-            layers = []
-            for _ in range(num_layers):
-                for n, k in shapes:
-                    group = 128 if k % 128 == 0 else 32
-                    q = quantize(torch.randn(n, k) * 0.02, 4, group)
-                    layers.append((q.qweight, q.scales, q.zeros, group))
+            layers = [(q.qweight, q.scales, q.zeros, group) for q, group in _int4_projections(shapes, num_layers)]
             weight_bytes = sum(q.numel() for q, _, _, _ in layers)
             xs = {k: torch.randn(1, k) for _, k in shapes}
             outs = {n: torch.empty(1, n) for n, _ in shapes}
@@ -178,6 +184,48 @@ def bench_int4_row_tiles(kernels, passes: int) -> None:
                 f"{med[tile] / med['fma']:.2f}x)" for tile in tiles))
     finally:
         kernels.int4_row_kernel("auto")
+
+
+def bench_int4_columns(kernels, passes: int) -> None:
+    """INT4 with int8 activations on the output-major panels (AVX-512 VNNI): the group columns
+    inside the panels (what a layer holds) against beside them, each form's tensors in one arena as
+    an engine holds them (on 2 MiB pages where THP_MEM_ALLOC_ENABLE=1, as a worker sets it), every
+    layer's projections one after another at 1, 2, 3, 4 and 8 rows, passes alternating so a drifting
+    host hits both."""
+    from worker.model.int8_activation_panels import to_panels, with_group_columns
+    from worker.model.weight_arena import gather
+    if not kernels.int8_activations_output_major():
+        raise SystemExit("only the output-major (AVX-512 VNNI) kernels hold group columns")
+    print("INT4 + int8 activations, groups of 128 (32 where K is not a multiple): median pass ms with the group "
+          "columns beside the panels, then inside them, and inside over beside (< 1: inside faster)")
+    for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
+        layers = []
+        for q, group in _int4_projections(shapes, num_layers):
+            panels = to_panels(q.qweight, 4, q.shape[1], group)
+            layers.append((q, group, (panels, kernels.int8_activation_group_columns(q.scales, q.zeros)),
+                           (with_group_columns(panels, q.scales, q.zeros, group), q.scales)))
+        beside = gather([t for _, _, form, _ in layers for t in form])
+        inside = gather([form[0] for _, _, _, form in layers])
+        layers = [(q, group, (beside[2 * n], beside[2 * n + 1]), (inside[n], q.scales))
+                  for n, (q, group, _, _) in enumerate(layers)]
+        cells = []
+        for rows in (1, 2, 3, 4, 8):
+            xs = {k: torch.randn(rows, k) for _, k in shapes}
+            outs = {n: torch.empty(rows, n) for n, _ in shapes}
+            def one_pass(form: int) -> float:
+                start = time.perf_counter()
+                for q, group, *forms in layers:
+                    weight, scales = forms[form]
+                    kernels.linear_int4_weights_int8_activations(xs[q.shape[1]], weight, scales, q.zeros, group,
+                                                                 outs[q.shape[0]])
+                return time.perf_counter() - start
+            times: dict[int, list[float]] = {0: [], 1: []}
+            for i in range(passes):
+                for form in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    times[form].append(one_pass(form))
+            beside, inside = statistics.median(times[0]), statistics.median(times[1])
+            cells.append(f"{rows}: {beside * 1e3:.2f} / {inside * 1e3:.2f} ms ({inside / beside:.2f}x)")
+        print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
 
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64  # bench-small's attention
@@ -247,6 +295,8 @@ def main() -> None:
                         help="only weight-only INT8, per call: held panels against row-major and against plain panels")
     parser.add_argument("--int4-row-tiles", action="store_true",
                         help="only weight-only INT4, one row per call: the FMA tile against the bf16 and int8 tiles")
+    parser.add_argument("--int4-columns", action="store_true",
+                        help="only INT4 with int8 activations: group columns inside the panels against beside them")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()
@@ -260,6 +310,8 @@ def main() -> None:
             return bench_int8_layouts(kernels, max(2, args.repeats // 2))
         if args.int4_row_tiles:
             return bench_int4_row_tiles(kernels, max(2, args.repeats // 2))
+        if args.int4_columns:
+            return bench_int4_columns(kernels, max(2, args.repeats // 2))
         bench_linear(kernels, args.repeats)
         bench_transposed_form(args.repeats)
         bench_decode_attention(kernels, args.repeats)

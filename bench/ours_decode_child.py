@@ -27,11 +27,11 @@ def weight_bytes_per_token(model) -> int:
     """Bytes of every tensor a decode step reads in full: the decoder layers' and the head's weights
     as held (packed panels, quantized weights with their scales), not the embedding table, of
     which a step gathers one row, nor the row-major scales and zeros of a layer whose kernels read
-    its group columns instead."""
+    its group columns instead (held beside its panels or inside them)."""
     seen, total = set(), 0
     embedding = model.embed_tokens.weight.untyped_storage().data_ptr()
     for module in model.modules():
-        if "scale_columns" in getattr(module, "_buffers", {}):
+        if "scale_columns" in getattr(module, "_buffers", {}) or getattr(module, "columns_in_panels", False):
             seen.update(module._buffers[name].untyped_storage().data_ptr() for name in ("scales", "zeros")
                         if module._buffers.get(name) is not None)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:

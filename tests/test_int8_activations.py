@@ -13,7 +13,8 @@ from shared.quantization_rule import QuantizationRule
 from shared.sampling_params import SamplingParams
 from worker.model import cpu_kernels
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
-from worker.model.int8_activation_panels import from_panels, to_panels
+from worker.model.int8_activation_panels import (COLUMN_BLOCK_BYTES, from_panels, to_panels, with_group_columns,
+                                                 without_group_columns)
 from worker.model.quantization import QuantizedLinear, dequantize, quantize
 from worker.model.quantize_model import quantize_model
 from worker.model.step_weights import use_int8_activations
@@ -87,10 +88,13 @@ def test_a_layer_holds_its_weight_once_as_panels_and_saves_it_row_major(bits, in
     model = torch.nn.Sequential(layer)
     assert use_int8_activations(model) == (1, 1)
     kernels = cpu_kernels.load()
-    # One copy: the panels, in the layout this host's kernels read.
+    # One copy: the panels, in the layout this host's kernels read (output-major INT4 with its
+    # group columns inside, INT8 with them beside).
     assert "qweight" not in layer._buffers
-    assert layer.kernel_weight().dim() == (4 if kernels.int8_activations_output_major() else 3)
-    if kernels.int8_activations_output_major():
+    output_major = kernels.int8_activations_output_major()
+    assert layer.columns_in_panels == (output_major and bits == 4)
+    assert layer.kernel_weight().dim() == ((3 if bits == 4 else 4) if output_major else 3)
+    if output_major and bits == 8:
         assert torch.equal(layer.kernel_scales(), kernels.int8_activation_group_columns(layer.scales, layer.zeros))
     else:
         assert layer.kernel_scales() is layer.scales
@@ -180,6 +184,59 @@ def test_the_kernels_give_the_same_result_from_group_columns_or_row_major_scales
             kernels.linear_int4_weights_int8_activations(x, panels, columns, qw.zeros, qw.group_size, held)
             kernels.linear_int4_weights_int8_activations(x, panels, qw.scales, qw.zeros, qw.group_size, made)
         assert torch.equal(held, made), rows
+
+
+@pytest.mark.parametrize("in_features, group_size", [(256, 128), (192, 64), (96, 32), (384, 192), (512, 256)])
+def test_int4_panels_carry_each_groups_columns_after_the_unit_that_ends_it(in_features, group_size):
+    """[P, bytes]: the units in order, and after the unit holding a group's last slot (a unit is
+    two slots of 64 features, a group ceil(G / 64) slots) that group's 16 scales then 16 zeros
+    (float32, the rows past N zero); `without_group_columns` gives the panels back."""
+    g = torch.Generator().manual_seed(in_features + group_size)
+    qw = quantize(torch.randn(21, in_features, generator=g), 4, group_size=group_size)
+    panels = to_panels(qw.qweight, 4, in_features, group_size, output_major=True)
+    inside = with_group_columns(panels, qw.scales, qw.zeros, group_size)
+    slots_per_group, groups = -(-group_size // 64), in_features // group_size
+    units = -(-slots_per_group * groups // 2)
+    assert inside.shape == (2, (units * 1024 + groups * COLUMN_BLOCK_BYTES) // 64, 64)
+    assert torch.equal(without_group_columns(inside, in_features, group_size), panels)
+    assert torch.equal(from_panels(inside, 4, qw.shape, group_size), qw.qweight)
+    inside = inside.view(2, -1)
+    scales = torch.cat((qw.scales, torch.zeros(11, groups)))
+    zeros = torch.cat((qw.zeros, torch.zeros(11, groups)))
+    at, group = 0, 0
+    for unit in range(units):
+        assert torch.equal(inside[:, at:at + 1024], panels[:, unit].reshape(2, 1024))
+        at += 1024
+        for slot in (2 * unit, 2 * unit + 1):
+            if slot < slots_per_group * groups and (slot + 1) % slots_per_group == 0:
+                block = inside[:, at:at + COLUMN_BLOCK_BYTES].contiguous().view(torch.float32).view(2, 2, 16)
+                assert torch.equal(block[:, 0], scales[:, group].view(2, 16))
+                assert torch.equal(block[:, 1], zeros[:, group].view(2, 16))
+                at, group = at + COLUMN_BLOCK_BYTES, group + 1
+    assert (at, group) == (inside.shape[1], groups)
+
+
+@pytest.mark.parametrize("in_features, group_size", [(256, 128), (192, 64), (96, 32), (384, 192), (512, 256)])
+def test_the_int4_kernels_give_the_same_result_from_columns_inside_the_panels(in_features, group_size):
+    """Columns inside the panels, held beside them, or made from row-major scales: the same
+    result, bit for bit, at every row count (each row tile, one panel at a time or two)."""
+    kernels = cpu_kernels.load()
+    if not kernels.int8_activations_output_major():
+        pytest.skip("only the output-major kernels take columns inside their panels")
+    g = torch.Generator().manual_seed(in_features)
+    out_features = 45  # two pairs of panels and one alone, the last part empty
+    qw = quantize(torch.randn(out_features, in_features, generator=g), 4, group_size=group_size)
+    panels = to_panels(qw.qweight, 4, in_features, group_size)
+    inside = with_group_columns(panels, qw.scales, qw.zeros, group_size)
+    columns = kernels.int8_activation_group_columns(qw.scales, qw.zeros)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, in_features, generator=g)
+        got, beside = torch.empty(rows, out_features), torch.empty(rows, out_features)
+        kernels.linear_int4_weights_int8_activations(x, inside, qw.scales, qw.zeros, group_size, got)
+        kernels.linear_int4_weights_int8_activations(x, panels, columns, qw.zeros, group_size, beside)
+        assert torch.equal(got, beside), rows
+    with pytest.raises(RuntimeError, match="group columns inside"):
+        kernels.linear_int4_weights_int8_activations(x, inside[:, :-1].contiguous(), qw.scales, qw.zeros, group_size, got)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

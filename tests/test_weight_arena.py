@@ -36,10 +36,11 @@ def test_int8_activation_layers_share_one_arena_and_save_their_own_tensors(tmp_p
     assert use_int8_activations(reference) == (2, 2)
     want = (reference[0](x0), reference[1](x1))
     assert use_int8_activations(model) == (2, 2)
-    # What a step reads: the panels, and the group columns where the kernels take them (AVX-512),
-    # else the scales and zeros.
-    if model[0].kernel_scales().dim() == 4:
-        held = [t for m in model for t in (m.kernel_weight(), m.kernel_scales())]
+    # What a step reads: the panels, and the group columns where the kernels take them (AVX-512:
+    # INT4's inside its panels, INT8's beside them), else the scales and zeros.
+    if model[0].columns_in_panels:
+        assert model[1].kernel_scales().dim() == 4
+        held = [model[0].kernel_weight(), model[1].kernel_weight(), model[1].kernel_scales()]
     else:
         held = [t for m in model for t in (m.kernel_weight(), m.scales, m.zeros) if t is not None]
     assert len({t.untyped_storage().data_ptr() for t in held}) == 1

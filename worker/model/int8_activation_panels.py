@@ -11,6 +11,10 @@ panels hold each weight row's slots as units of 64 bytes, in one of two layouts:
   [ceil(N / 16), units_per_row, 16, 64], bytes 4c..4c + 3 of unit u of row o of panel p at
   [p, u, c, 4 o..4 o + 3], so one 64-byte load gives 4 features of 16 outputs.
 
+An output-major INT4 weight may also carry its scales and zeros (`with_group_columns`): [ceil(N /
+16), bytes per panel / 64, 64], each group's block of the panel's 16 scales then its 16 zeros (float32)
+right after the unit that holds the group's last slot, so that a panel is one forward stream.
+
 In both:
 
 - Slots never straddle a group: a group of G features takes ceil(G / 64) slots, its odd last
@@ -31,6 +35,7 @@ TILE_ROWS = 4  # weight rows per tile: the kernels' kCols
 PANEL_ROWS = 16  # weight rows per output-major panel: the kernels' kPanelOutputs
 SLOT_FEATURES = 64  # input features per slot: the kernels' kSlot
 UNIT_BYTES = 64
+COLUMN_BLOCK_BYTES = 2 * PANEL_ROWS * 4  # a group's scales then zeros of a panel's rows: the kernels' kColumnBlockFloats
 
 
 def _slots(weights: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
@@ -76,10 +81,59 @@ def to_panels(qweight: torch.Tensor, bits: int, in_features: int, group_size: in
     return panels.view(torch.int8) if bits == 8 else panels
 
 
+def _stream_offsets(in_features: int, group_size: int) -> tuple[list[int], list[int], int]:
+    """Within one output-major INT4 panel with its group columns inside: the byte offset of each
+    unit, of each group's column block, and the panel's bytes."""
+    slots_per_group = -(-group_size // SLOT_FEATURES)
+    slots = slots_per_group * (in_features // group_size)
+    unit_bytes = UNIT_BYTES * UNIT_BYTES // 4
+    units, blocks, at = [], [], 0
+    for unit in range(-(-slots // 2)):
+        units.append(at)
+        at += unit_bytes
+        for slot in (2 * unit, 2 * unit + 1):
+            if slot < slots and (slot + 1) % slots_per_group == 0:
+                blocks.append(at)
+                at += COLUMN_BLOCK_BYTES
+    return units, blocks, at
+
+
+def with_group_columns(panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       group_size: int) -> torch.Tensor:
+    """Output-major INT4 panels [P, U, 16, 64] and their scales and zeros [N, K / G] -> the panels
+    with each group's columns inside (a new [P, bytes per panel / 64, 64] uint8 tensor; the rows
+    past N zero)."""
+    count, num_groups = panels.shape[0], scales.shape[1]
+    units, blocks, total = _stream_offsets(num_groups * group_size, group_size)
+    columns = scales.new_zeros(count * PANEL_ROWS, 2, num_groups)
+    columns[:scales.shape[0], 0] = scales
+    columns[:scales.shape[0], 1] = zeros
+    columns = columns.view(count, PANEL_ROWS, 2, num_groups).permute(0, 3, 2, 1).contiguous()
+    column_bytes = columns.view(torch.uint8).view(count, num_groups, COLUMN_BLOCK_BYTES)
+    unit_bytes = panels.reshape(count, len(units), -1)
+    out = panels.new_empty(count, total)
+    for unit, at in enumerate(units):
+        out[:, at:at + unit_bytes.shape[2]] = unit_bytes[:, unit]
+    for group, at in enumerate(blocks):
+        out[:, at:at + COLUMN_BLOCK_BYTES] = column_bytes[:, group]
+    return out.view(count, total // UNIT_BYTES, UNIT_BYTES)
+
+
+def without_group_columns(panels: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
+    """The output-major panels [P, U, 16, 64] of panels that carry their group columns inside."""
+    units, _, _ = _stream_offsets(in_features, group_size)
+    unit_bytes = UNIT_BYTES * UNIT_BYTES // 4
+    panels = panels.reshape(panels.shape[0], -1)
+    return torch.stack([panels[:, at:at + unit_bytes] for at in units], dim=1).view(
+        panels.shape[0], len(units), UNIT_BYTES // 4, UNIT_BYTES)
+
+
 def from_panels(panels: torch.Tensor, bits: int, shape: tuple[int, int], group_size: int = 0) -> torch.Tensor:
-    """The inverse of `to_panels` (either layout, told apart by rank): a new row-major [N, K] int8
-    or [N, K/2] uint8 tensor."""
+    """The inverse of `to_panels` (either layout, told apart by rank; output-major INT4 panels with
+    their group columns inside too): a new row-major [N, K] int8 or [N, K/2] uint8 tensor."""
     rows, in_features = shape
+    if bits == 4 and panels.dim() == 3 and panels.shape[1] * UNIT_BYTES == _stream_offsets(in_features, group_size)[2]:
+        panels = without_group_columns(panels, in_features, group_size)  # a tile layout's rows are 4 units long
     group = in_features if bits == 8 else group_size
     count = panels.shape[0]
     raw = panels.view(torch.uint8)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model import cpu_kernels
-from worker.model.int8_activation_panels import from_panels, host_layout_is_output_major, to_panels
+from worker.model.int8_activation_panels import (from_panels, host_layout_is_output_major, to_panels,
+                                                 with_group_columns)
 from worker.model.layers import pack_panels, unpack_panels
 # `choose_path` is called through this module's namespace (tests replace it here).
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
@@ -167,6 +168,7 @@ class QuantizedLinear(nn.Module):
         self.int8_activations = False  # set by `use_int8_activations`
         self.in_arena = False  # set by `gather_step_weights`
         self.held_panels: str | None = None  # the layout of `qweight_panels` where held: "weight" or "int8_activations"
+        self.columns_in_panels = False  # whether those panels carry the scales and zeros inside (`with_group_columns`)
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
@@ -196,14 +198,20 @@ class QuantizedLinear(nn.Module):
         return self.scales if columns is None else columns
 
     def hold_int8_activation_panels(self) -> None:
-        """Hold the weight as int8-activation panels and drop the row-major copy; where those
-        kernels take them (AVX-512 VNNI), also hold the scales' group columns (an eighth of the
-        INT4 weight's bytes at groups of 128), which they read instead of gathering per group. The
-        panels are in the layout this host's kernels read (output-major with AVX-512 VNNI)."""
+        """Hold the weight as int8-activation panels and drop the row-major copy. Where those
+        kernels read the output-major layout (AVX-512 VNNI), they also take the scales' group
+        columns (an eighth of the INT4 weight's bytes at groups of 128) rather than gathering per
+        group: an INT4 weight's inside its panels, each after the unit that ends its group (one
+        stream per panel), an INT8 weight's (one group a row) held beside them."""
         if self.held_panels == "int8_activations":
             return
-        self._hold_panels("int8_activations", to_panels(self.qweight, self.bits, self.in_features, self.group_size))
-        if host_layout_is_output_major():
+        panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
+        output_major = host_layout_is_output_major()
+        inside = output_major and self.bits == 4
+        if inside:
+            panels = with_group_columns(panels, self.scales, self.zeros, self.group_size)
+        self._hold_panels("int8_activations", panels, columns_inside=inside)
+        if output_major and self.bits == 8:
             self.register_buffer("scale_columns",
                                  cpu_kernels.load().int8_activation_group_columns(self.scales, self.zeros),
                                  persistent=False)
@@ -219,11 +227,11 @@ class QuantizedLinear(nn.Module):
         self._hold_panels("weight", pack_panels(self.qweight, cpu_kernels.load().int8_weight_panel_group()))
         self.small_path = self.path = "ours"
 
-    def _hold_panels(self, layout: str, panels: torch.Tensor) -> None:
+    def _hold_panels(self, layout: str, panels: torch.Tensor, columns_inside: bool = False) -> None:
         self._buffers.pop("qweight_panels", None)  # the other layout's, where held
         self._buffers.pop("qweight", None)
         self.register_buffer("qweight_panels", panels, persistent=False)
-        self.held_panels = layout
+        self.held_panels, self.columns_in_panels = layout, columns_inside
         if self.in_arena:
             # Out of the arena (whose row-major weights would otherwise stay alive through these
             # views), to be gathered again with the panels.
@@ -262,7 +270,7 @@ class QuantizedLinear(nn.Module):
         self._buffers.pop("scale_columns", None)  # made again from the loaded scales
         # Loaded row-major, as saved, then held as panels again.
         self.register_buffer("qweight", self._row_major_from_panels(panels))
-        layout, self.held_panels = self.held_panels, None
+        layout, self.held_panels, self.columns_in_panels = self.held_panels, None, False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.hold_int8_activation_panels() if layout == "int8_activations" else self.hold_weight_panels()
 

@@ -38,13 +38,16 @@ def hold_weight_panels(model: nn.Module) -> int:
 def gather_step_weights(layers: list[QuantizedLinear]) -> None:
     """Hold what each decode step reads of these layers (on the CPU, not yet in an arena) in one
     allocation (worker/model/weight_arena.py: with huge pages on, all of it on 2 MiB pages): the
-    int8-activation panels and group columns where held (else their scales and zeros), or the
+    int8-activation panels and group columns where held (an INT4 weight's columns inside its
+    panels; else their scales and zeros), or the
     weight-only layers' weight (panels or row-major), scales and zeros."""
     layers = list({id(layer): layer for layer in layers
                    if not layer.in_arena and layer.scales.device.type == "cpu"}.values())
     def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:
         if "qweight_panels" not in layer._buffers:
             return ("qweight", "scales", "zeros")
+        if layer.columns_in_panels:
+            return ("qweight_panels",)
         return ("qweight_panels", "scale_columns") if "scale_columns" in layer._buffers else (
             "qweight_panels", "scales", "zeros")
     held = [(layer, name) for layer in layers for name in read_per_step(layer)

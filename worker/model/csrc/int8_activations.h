@@ -15,6 +15,7 @@ constexpr int64_t kColumnRows = 8;     // weight rows per run of the scales' gro
 constexpr int64_t kPanelOutputs = 16;  // weight rows per output-major panel: one int32 lane each
 constexpr int64_t kQuads = kSlot / 4;  // 4-byte words per slot
 constexpr int64_t kPanelUnitBytes = kQuads * kPanelOutputs * 4;  // one unit of an output-major panel
+constexpr int64_t kColumnBlockFloats = 2 * kPanelOutputs;  // a group's scales then zeros, of a panel's rows
 
 // x [M, K] quantized: q in -127..127 per element, |q| for the int8 weights' sign trick, and one
 // scale per block of 32 (xs = max|x| / 127; x ~ q * xs).
@@ -35,10 +36,16 @@ struct QuantizedActivations {
 //   kCols rows' bytes of each unit side by side, so a tile reads one contiguous run.
 // - Output-major (the AVX-512 VNNI kernels): per panel of kPanelOutputs weight rows, its units in
 //   order, each as kQuads vectors of 64 bytes, vector c holding bytes 4c..4c + 3 of the unit of
-//   each of the panel's rows, row o at 4o: one 32-bit lane per output.
+//   each of the panel's rows, row o at 4o: one 32-bit lane per output. An INT4 weight's panels
+//   may carry their group columns inside (`columns_inside`): each group's block of
+//   kColumnBlockFloats (its 16 rows' scales, then their zeros) right after the unit holding the
+//   group's last slot, so a panel is one forward stream (a separate stream of columns measured
+//   slower per weight byte than the extra bytes account for).
 struct WeightPanels {
   const uint8_t* data = nullptr;
   int64_t slots_per_group = 0, slots_per_row = 0, units_per_row = 0;
+  bool columns_inside = false;
+  int64_t panel_bytes = 0;  // with columns inside: a panel's units and column blocks
 
   const uint8_t* unit(int64_t column_tile, int64_t u, int64_t j) const {
     return data + ((column_tile * units_per_row + u) * kCols + j) * 64;
@@ -46,6 +53,12 @@ struct WeightPanels {
   const uint8_t* panel_unit(int64_t panel, int64_t u) const {
     return data + (panel * units_per_row + u) * kPanelUnitBytes;
   }
+  const uint8_t* panel_start(int64_t panel) const { return data + panel * panel_bytes; }
 };
+
+// The bytes of one output-major INT4 panel with its group columns inside.
+inline int64_t panel_bytes_with_columns(int64_t units_per_row, int64_t num_groups) {
+  return units_per_row * kPanelUnitBytes + num_groups * kColumnBlockFloats * 4;
+}
 
 }  // namespace int8_activations

@@ -83,12 +83,12 @@ inline __m512 panel_values(const float* low_run, const float* high_run, int64_t 
 }
 
 // R rows of x from m0 by the P panels from `panel` (side by side in memory): out[m][n] for the
-// panels' outputs below out_features. `columns`: the scales' (and int4 zeros') group columns;
-// `x_sums` [rows, num_groups] for the zero-point term (null for int8). One or two rows keep
-// both blocks of a slot in flight, and one row with int4 weights both slots of a unit, whose
-// bytes are then loaded once for the two; integer sums, so how they are split changes no bit,
-// and the float sums go in the same order at every R: a slot's first block, its second, the
-// next slot's.
+// panels' outputs below out_features. `columns`: the scales' (and int4 zeros') group columns
+// (unread where the panels hold them inside); `x_sums` [rows, num_groups] for the zero-point term
+// (null for int8). One or two rows keep both blocks of a slot in flight, and one row with int4
+// weights both slots of a unit, whose bytes are then loaded once for the two; integer sums, so
+// how they are split changes no bit, and the float sums go in the same order at every R: a
+// slot's first block, its second, the next slot's.
 template <int R, int P, bool kInt8>
 inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels, int64_t panel, const float* columns,
                            const float* x_sums, int64_t num_groups, int64_t m0, float* out, int64_t out_features) {
@@ -97,20 +97,32 @@ inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels
   constexpr int H = kFew ? 2 : 1;             // blocks of each slot per pass
   const int64_t x_stride = a.slots_per_row * kSlot;
   const int64_t last_run = (out_features - 1) / kColumnRows;
-  const float* runs[2 * P];
-  for (int r = 0; r < 2 * P; ++r)
+  // With the columns inside the panels, each panel is walked as one stream: the next unit starts
+  // after the column blocks of the groups the last one ended.
+  const bool inside = !kInt8 && panels.columns_inside;
+  const float* runs[2 * P] = {};
+  const uint8_t* unit_at[P] = {};
+  const float* column_at[P] = {};
+  for (int r = 0; r < 2 * P && !inside; ++r)
     runs[r] = columns + std::min(2 * panel + r, last_run) * num_groups * 2 * kColumnRows;
+  for (int p = 0; p < P && inside; ++p) unit_at[p] = panels.panel_start(panel + p);
+  // What a unit's stream holds at most: the unit and, with groups of one slot, two column blocks.
+  const int64_t unit_stream_bytes =
+      kPanelUnitBytes + (inside ? (panels.slots_per_group == 1 ? 2 : 1) * kColumnBlockFloats * 4 : 0);
   __m512 total[R][P], group_sum[R][P];
   for (int i = 0; i < R; ++i)
     for (int p = 0; p < P; ++p) total[i][p] = group_sum[i][p] = _mm512_setzero_ps();
   const __m512i nibbles[2] = {_mm512_set1_epi8(0x0F), _mm512_set1_epi8(static_cast<char>(0xF0))};
   for (int64_t slot0 = 0; slot0 < panels.slots_per_row; slot0 += S) {
     const uint8_t* unit[P];
-    for (int p = 0; p < P; ++p) unit[p] = panels.panel_unit(panel + p, kInt8 ? slot0 : slot0 / 2);
-    if constexpr (!kInt8 && kFew)
-      if (slot0 % 2 == 0)  // once per unit
+    for (int p = 0; p < P; ++p) {
+      unit[p] = inside ? unit_at[p] : panels.panel_unit(panel + p, kInt8 ? slot0 : slot0 / 2);
+      if (inside && slot0 % 2 == 0) column_at[p] = reinterpret_cast<const float*>(unit[p] + kPanelUnitBytes);
+    }
+    if constexpr (!kInt8)
+      if ((kFew || inside) && slot0 % 2 == 0)  // once per unit
         for (int p = 0; p < P; ++p)
-          for (int64_t line = 0; line < kPanelUnitBytes; line += 64)
+          for (int64_t line = 0; line < unit_stream_bytes; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(unit[p]) + kInt4PrefetchBytes + line, _MM_HINT_T0);
     for (int half0 = 0; half0 < 2; half0 += H) {
       __m512i acc[S][H][R][P];
@@ -151,18 +163,23 @@ inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels
           if (block % 2 == 0 || (slot + 1) % panels.slots_per_group) continue;
           const int64_t g = slot / panels.slots_per_group;  // the group ends here
           for (int p = 0; p < P; ++p) {
-            const __m512 group_scale = panel_values(runs[2 * p], runs[2 * p + 1], g, 0);
+            const __m512 group_scale =
+                inside ? _mm512_loadu_ps(column_at[p]) : panel_values(runs[2 * p], runs[2 * p + 1], g, 0);
             for (int i = 0; i < R; ++i) total[i][p] = _mm512_fmadd_ps(group_sum[i][p], group_scale, total[i][p]);
             if constexpr (!kInt8) {
-              const __m512 zero = panel_values(runs[2 * p], runs[2 * p + 1], g, kColumnRows);
+              const __m512 zero = inside ? _mm512_loadu_ps(column_at[p] + kPanelOutputs)
+                                         : panel_values(runs[2 * p], runs[2 * p + 1], g, kColumnRows);
               for (int i = 0; i < R; ++i)
                 total[i][p] = _mm512_fmadd_ps(zero, _mm512_set1_ps(x_sums[(m0 + i) * num_groups + g]), total[i][p]);
+              if (inside) column_at[p] += kColumnBlockFloats;
             }
             for (int i = 0; i < R; ++i) group_sum[i][p] = _mm512_setzero_ps();
           }
         }
       }
     }
+    if (inside && ((slot0 + S) % 2 == 0 || slot0 + S >= panels.slots_per_row))  // the unit is done
+      for (int p = 0; p < P; ++p) unit_at[p] = reinterpret_cast<const uint8_t*>(column_at[p]);
   }
   for (int p = 0; p < P; ++p) {
     const int64_t n0 = (panel + p) * kPanelOutputs;
@@ -191,7 +208,8 @@ inline void all_rows_by_panels(int64_t rows, const BlockActivations& a, const We
 // The whole call: pairs of panels (each broadcast of x feeds both; a single INT4 row takes
 // them one at a time) to the threads in chunks of neighbouring pairs, so a thread a neighbour
 // process slows does fewer of them. `columns`: the scales' (and int4 zeros') group columns
-// (int8_activation_group_columns); `x_sums` [rows, num_groups] or null (int8).
+// (int8_activation_group_columns), or null where the panels hold them inside; `x_sums` [rows,
+// num_groups] or null (int8).
 template <bool kInt8>
 void int8_activations_avx512(const QuantizedActivations& q, const WeightPanels& panels, const float* columns,
                              const float* x_sums, int64_t rows, int64_t in_features, int64_t out_features,

@@ -219,10 +219,20 @@ WeightPanels panels_of(const at::Tensor& panels, bool int8, int64_t out_features
   TORCH_CHECK(panels.dtype() == (int8 ? at::kChar : at::kByte) && panels.is_contiguous(),
               "weight: contiguous ", int8 ? "int8" : "uint8", " panels (worker/model/int8_activation_panels.py)");
 #ifdef HAVE_AVX512_VNNI
-  TORCH_CHECK(panels.dim() == 4 && panels.size(0) == (out_features + kPanelOutputs - 1) / kPanelOutputs &&
-              panels.size(1) == p.units_per_row && panels.size(2) == kQuads && panels.size(3) == 64,
-              "weight: output-major panels [ceil(N/16), ", p.units_per_row, ", 16, 64] ",
-              "(worker/model/int8_activation_panels.py, output_major=True)");
+  const int64_t num_panels = (out_features + kPanelOutputs - 1) / kPanelOutputs;
+  if (!int8 && panels.dim() == 3) {
+    p.columns_inside = true;
+    p.panel_bytes = panel_bytes_with_columns(p.units_per_row, in_features / group_size);
+    TORCH_CHECK(panels.size(0) == num_panels && panels.size(1) * panels.size(2) == p.panel_bytes &&
+                    panels.size(2) == 64,
+                "weight: output-major panels with their group columns inside [ceil(N/16), ", p.panel_bytes / 64,
+                ", 64] (worker/model/int8_activation_panels.py, with_group_columns)");
+  } else {
+    TORCH_CHECK(panels.dim() == 4 && panels.size(0) == num_panels && panels.size(1) == p.units_per_row &&
+                    panels.size(2) == kQuads && panels.size(3) == 64,
+                "weight: output-major panels [ceil(N/16), ", p.units_per_row, ", 16, 64] ",
+                "(worker/model/int8_activation_panels.py, output_major=True)");
+  }
 #else
   TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (out_features + kCols - 1) / kCols &&
               panels.size(1) == p.units_per_row * kCols && panels.size(2) == 64,
@@ -349,8 +359,9 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
       x_sums[m * num_groups + b * kBlock / group_size] += static_cast<float>(sum) * a.scales[m * a.blocks_per_row + b];
     }
 #ifdef HAVE_AVX512_VNNI
-  at::Tensor storage;
-  const float* columns = group_columns_of(scales, &zeros, out_features, num_groups, storage);
+  at::Tensor storage;  // the columns, where neither the panels nor `scales` hold them
+  const float* columns =
+      weights.columns_inside ? nullptr : group_columns_of(scales, &zeros, out_features, num_groups, storage);
   return int8_activations_avx512<false>(a, weights, columns, x_sums.data(), rows, in_features, out_features,
                                         group_size, out.data_ptr<float>());
 #endif
