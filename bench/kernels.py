@@ -190,7 +190,7 @@ def bench_int4_columns(kernels, passes: int) -> None:
     """INT4 with int8 activations on the output-major panels (AVX-512 VNNI): the group columns
     inside the panels (what a layer holds) against beside them, each form's tensors in one arena as
     an engine holds them (on 2 MiB pages where THP_MEM_ALLOC_ENABLE=1, as a worker sets it), every
-    layer's projections one after another at 1, 2, 3, 4 and 8 rows, passes alternating so a drifting
+    layer's projections one after another at 1, 2, 3, 4, 8 and 32 rows, passes alternating so a drifting
     host hits both."""
     from worker.model.int8_activation_panels import to_panels, with_group_columns
     from worker.model.weight_arena import gather
@@ -209,7 +209,7 @@ def bench_int4_columns(kernels, passes: int) -> None:
         layers = [(q, group, (beside[2 * n], beside[2 * n + 1]), (inside[n], q.scales))
                   for n, (q, group, _, _) in enumerate(layers)]
         cells = []
-        for rows in (1, 2, 3, 4, 8):
+        for rows in (1, 2, 3, 4, 8, 32):
             xs = {k: torch.randn(rows, k) for _, k in shapes}
             outs = {n: torch.empty(rows, n) for n, _ in shapes}
             def one_pass(form: int) -> float:

@@ -119,8 +119,8 @@ inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels
       unit[p] = inside ? unit_at[p] : panels.panel_unit(panel + p, kInt8 ? slot0 : slot0 / 2);
       if (inside && slot0 % 2 == 0) column_at[p] = reinterpret_cast<const float*>(unit[p] + kPanelUnitBytes);
     }
-    if constexpr (!kInt8)
-      if ((kFew || inside) && slot0 % 2 == 0)  // once per unit
+    if constexpr (!kInt8)  // once per unit; the row tiles after the first find the panels in L2
+      if ((kFew || (inside && m0 == 0)) && slot0 % 2 == 0)
         for (int p = 0; p < P; ++p)
           for (int64_t line = 0; line < unit_stream_bytes; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(unit[p]) + kInt4PrefetchBytes + line, _MM_HINT_T0);
