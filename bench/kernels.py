@@ -69,7 +69,8 @@ def bench_transposed_form(repeats: int) -> None:
 def bench_quantized_linear(repeats: int) -> None:
     """Each quantized compute path against the float32 kernel, at decode and prefill sizes."""
     from worker.model.layers import Linear
-    from worker.model.quantization import QuantizedLinear, quantize
+    from worker.model.quantization import QuantizedLinear
+    from worker.model.quantized_weight import quantize
     print("quantized linear: median ms per path (float32 ours | int8 ours / torch / dequant | "
           "int4 ours / torch / dequant); int4 groups of 128 (32 where K is not a multiple)")
     for n, k in SHAPES:
@@ -103,7 +104,7 @@ def bench_int8_layouts(kernels, passes: int) -> None:
     one after another as a step runs them, the forms' passes alternating so a drifting host hits
     them all."""
     from worker.model.layers import pack_panels
-    from worker.model.quantization import quantize_int8
+    from worker.model.quantized_weight import quantize_int8
     group = kernels.int8_weight_panel_group()
     print(f"weight-only INT8 held as panels (groups of {group}): ratio of median pass times against row-major, "
           "then against plain panels (< 1: held faster)")
@@ -135,7 +136,7 @@ def bench_int8_layouts(kernels, passes: int) -> None:
 def _int4_projections(shapes: list[tuple[int, int]], num_layers: int) -> list:
     """Every layer's projections as random INT4 weights, groups of 128 (32 where K is not a multiple),
     with their group size."""
-    from worker.model.quantization import quantize
+    from worker.model.quantized_weight import quantize
     projections = []
     for _ in range(num_layers):
         for n, k in shapes:

@@ -14,7 +14,8 @@ from conftest import make_checkpoint
 from tokenizer_fixture import make_tokenizer
 from worker.engine import Engine, SamplingParams
 from worker.model.calibration import ActivationStats, CalibrationSettings, search_input_scale
-from worker.model.quantization import QuantizedLinear, dequantize, quantize
+from worker.model.quantization import QuantizedLinear
+from worker.model.quantized_weight import dequantize, quantize
 from worker.model.quantize_model import QuantizationRule
 from worker.scoring import window_logprobs
 

@@ -15,7 +15,8 @@ from worker.model import cpu_kernels
 from worker.model.cpu_fast_path import CpuFastPath, choose_fast_path
 from worker.model.int8_activation_panels import (COLUMN_BLOCK_BYTES, from_panels, to_panels, with_group_columns,
                                                  without_group_columns)
-from worker.model.quantization import QuantizedLinear, dequantize, quantize
+from worker.model.quantization import QuantizedLinear
+from worker.model.quantized_weight import dequantize, quantize
 from worker.model.quantize_model import quantize_model
 from worker.model.step_weights import use_int8_activations
 from worker.model.weights import load_model

@@ -11,7 +11,7 @@ import torch
 from worker.model import cpu_kernels
 from worker.model.int8_activation_panels import to_panels
 from worker.model.layers import pack_panels
-from worker.model.quantization import dequantize, quantize
+from worker.model.quantized_weight import dequantize, quantize
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")]

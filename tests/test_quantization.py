@@ -7,8 +7,8 @@ import torch
 
 from worker.model import cpu_kernels, quantization
 from worker.model.layers import pack_panels
-from worker.model.quantization import (QuantizationPlan, QuantizedLinear, choose_path, dequantize, pack_int4,
-                                       quantize, quantize_int4, quantize_int8, unpack_int4)
+from worker.model.quantization import QuantizationPlan, QuantizedLinear, choose_path
+from worker.model.quantized_weight import dequantize, pack_int4, quantize, quantize_int4, quantize_int8, unpack_int4
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.model import cpu_kernels, weight_arena
-from worker.model.quantization import QuantizedLinear, quantize
+from worker.model.quantization import QuantizedLinear
+from worker.model.quantized_weight import quantize
 from worker.model.step_weights import gather_step_weights, use_int8_activations
 
 

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from worker.model.quantization import dequantize, quantize
+from worker.model.quantized_weight import dequantize, quantize
 from worker.model.quantize_model import QuantizationRule, quantization_targets
 
 log = logging.getLogger(__name__)

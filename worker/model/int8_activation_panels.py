@@ -35,6 +35,7 @@ TILE_ROWS = 4  # weight rows per tile: the kernels' kCols
 PANEL_ROWS = 16  # weight rows per output-major panel: the kernels' kPanelOutputs
 SLOT_FEATURES = 64  # input features per slot: the kernels' kSlot
 UNIT_BYTES = 64
+PANEL_UNIT_BYTES = PANEL_ROWS * UNIT_BYTES  # one unit of an output-major panel: the kernels' kPanelUnitBytes
 COLUMN_BLOCK_BYTES = 2 * PANEL_ROWS * 4  # a group's scales then zeros of a panel's rows: the kernels' kColumnBlockFloats
 
 
@@ -86,11 +87,10 @@ def _stream_offsets(in_features: int, group_size: int) -> tuple[list[int], list[
     unit, of each group's column block, and the panel's bytes."""
     slots_per_group = -(-group_size // SLOT_FEATURES)
     slots = slots_per_group * (in_features // group_size)
-    unit_bytes = UNIT_BYTES * UNIT_BYTES // 4
     units, blocks, at = [], [], 0
     for unit in range(-(-slots // 2)):
         units.append(at)
-        at += unit_bytes
+        at += PANEL_UNIT_BYTES
         for slot in (2 * unit, 2 * unit + 1):
             if slot < slots and (slot + 1) % slots_per_group == 0:
                 blocks.append(at)
@@ -110,10 +110,10 @@ def with_group_columns(panels: torch.Tensor, scales: torch.Tensor, zeros: torch.
     columns[:scales.shape[0], 1] = zeros
     columns = columns.view(count, PANEL_ROWS, 2, num_groups).permute(0, 3, 2, 1).contiguous()
     column_bytes = columns.view(torch.uint8).view(count, num_groups, COLUMN_BLOCK_BYTES)
-    unit_bytes = panels.reshape(count, len(units), -1)
+    unit_bytes = panels.reshape(count, len(units), PANEL_UNIT_BYTES)
     out = panels.new_empty(count, total)
     for unit, at in enumerate(units):
-        out[:, at:at + unit_bytes.shape[2]] = unit_bytes[:, unit]
+        out[:, at:at + PANEL_UNIT_BYTES] = unit_bytes[:, unit]
     for group, at in enumerate(blocks):
         out[:, at:at + COLUMN_BLOCK_BYTES] = column_bytes[:, group]
     return out.view(count, total // UNIT_BYTES, UNIT_BYTES)
@@ -122,9 +122,8 @@ def with_group_columns(panels: torch.Tensor, scales: torch.Tensor, zeros: torch.
 def without_group_columns(panels: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
     """The output-major panels [P, U, 16, 64] of panels that carry their group columns inside."""
     units, _, _ = _stream_offsets(in_features, group_size)
-    unit_bytes = UNIT_BYTES * UNIT_BYTES // 4
     panels = panels.reshape(panels.shape[0], -1)
-    return torch.stack([panels[:, at:at + unit_bytes] for at in units], dim=1).view(
+    return torch.stack([panels[:, at:at + PANEL_UNIT_BYTES] for at in units], dim=1).view(
         panels.shape[0], len(units), UNIT_BYTES // 4, UNIT_BYTES)
 
 

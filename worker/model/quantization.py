@@ -1,10 +1,6 @@
-"""Weight-only quantization: INT8 per output channel, INT4 group-wise packed two per byte.
+"""Weight-only quantized layers: INT8 per output channel, INT4 group-wise packed two per byte,
+in the stored formats of worker/model/quantized_weight.py.
 
-Pure tensor code. The stored formats are our own and device independent:
-- INT8: `qweight` int8 [N, K] with symmetric per-row `scales` [N]: w ~ q * scale.
-- INT4: `qweight` uint8 [N, K/2] (element 2j in the low nibble, 2j+1 in the high one), with
-  per-group `scales` and `zeros` [N, K/G]: w ~ q * scale + zero, q in 0..15 (asymmetric),
-  or w ~ (q - 8) * scale with zeros = -8 * scale (symmetric).
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
 float in registers, CPU only; weight-only INT8 layers an engine serves hold their weight as the
 float tiles' panels, `hold_weight_panels`; or, opted in by `use_int8_activations`
@@ -19,8 +15,6 @@ depend on what ran before it in the process.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,88 +25,10 @@ from worker.model.int8_activation_panels import (from_panels, host_layout_is_out
 from worker.model.layers import pack_panels, unpack_panels
 # `choose_path` is called through this module's namespace (tests replace it here).
 from worker.model.path_choice import PATH_TIMING_REPEATS, SMALL_ROWS, choose_path
+from worker.model.quantized_weight import QuantizedWeight, dequantize_int4, pack_int4, unpack_int4
 
-INT4_GROUP_SIZE = 128
 # A layer's saved buffers that may be views of an arena (`gather_step_weights`).
 ARENA_SAVED_BUFFERS = ("qweight", "scales", "zeros")
-_EPS = 1e-8
-
-
-@dataclass
-class QuantizedWeight:
-    bits: int  # 8 or 4
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor | None  # INT4 only
-    shape: tuple[int, int]  # (N, K) of the float weight
-    group_size: int = 0  # INT4 only
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-# ---- INT8 --------------------------------------------------------------------------------------
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-output-channel: each row's largest |w| maps to 127."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=_EPS) / 127.0  # [N]
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return QuantizedWeight(8, q, scales, None, tuple(w.shape))
-
-
-def dequantize_int8(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (qw.qweight.to(dtype) * qw.scales.to(dtype)[:, None])
-
-
-# ---- INT4 --------------------------------------------------------------------------------------
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values 0..15 [N, K] -> [N, K/2], low nibble first."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] -> uint8 values 0..15 [N, K]."""
-    low, high = packed & 0x0F, packed >> 4
-    return torch.stack([low, high], dim=-1).flatten(-2)
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, symmetric: bool = False
-                  ) -> QuantizedWeight:
-    n, k = weight.shape
-    if k % group_size or group_size % 2:
-        raise ValueError(f"in_features {k} must be a multiple of the INT4 group size {group_size} (even)")
-    w = weight.detach().float().view(n, k // group_size, group_size)  # [N, K/G, G]
-    if symmetric:
-        scales = w.abs().amax(dim=-1).clamp(min=_EPS) / 7.0
-        zeros = -8.0 * scales
-    else:
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scales = (high - low).clamp(min=_EPS) / 15.0
-        zeros = low
-    q = torch.round((w - zeros[..., None]) / scales[..., None]).clamp(0, 15).view(n, k)
-    return QuantizedWeight(4, pack_int4(q), scales, zeros, (n, k), group_size)
-
-
-def dequantize_int4(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    n, k = qw.shape
-    q = unpack_int4(qw.qweight).to(dtype).view(n, k // qw.group_size, qw.group_size)
-    return (q * qw.scales.to(dtype)[..., None] + qw.zeros.to(dtype)[..., None]).view(n, k)
-
-
-def quantize(weight: torch.Tensor, bits: int, group_size: int = INT4_GROUP_SIZE, symmetric: bool = False
-             ) -> QuantizedWeight:
-    if bits == 8:
-        return quantize_int8(weight)
-    if bits == 4:
-        return quantize_int4(weight, group_size, symmetric)
-    raise ValueError(f"bits must be 8 or 4, got {bits}")
-
-
-def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return dequantize_int8(qw, dtype) if qw.bits == 8 else dequantize_int4(qw, dtype)
 
 
 # ---- compute -----------------------------------------------------------------------------------
@@ -168,7 +84,6 @@ class QuantizedLinear(nn.Module):
         self.int8_activations = False  # set by `use_int8_activations`
         self.in_arena = False  # set by `gather_step_weights`
         self.held_panels: str | None = None  # the layout of `qweight_panels` where held: "weight" or "int8_activations"
-        self.columns_in_panels = False  # whether those panels carry the scales and zeros inside (`with_group_columns`)
 
     @classmethod
     def empty(cls, bits: int, shape: tuple[int, int], group_size: int = 0, has_bias: bool = False,
@@ -197,6 +112,12 @@ class QuantizedLinear(nn.Module):
         columns = self._buffers.get("scale_columns")
         return self.scales if columns is None else columns
 
+    @property
+    def columns_in_panels(self) -> bool:
+        """Whether the held panels carry the scales and zeros inside (`with_group_columns`): an INT4
+        weight's int8-activation panels where the kernels read the output-major layout."""
+        return self.held_panels == "int8_activations" and self.bits == 4 and host_layout_is_output_major()
+
     def hold_int8_activation_panels(self) -> None:
         """Hold the weight as int8-activation panels and drop the row-major copy. Where those
         kernels read the output-major layout (AVX-512 VNNI), they also take the scales' group
@@ -207,10 +128,9 @@ class QuantizedLinear(nn.Module):
             return
         panels = to_panels(self.qweight, self.bits, self.in_features, self.group_size)
         output_major = host_layout_is_output_major()
-        inside = output_major and self.bits == 4
-        if inside:
+        if output_major and self.bits == 4:
             panels = with_group_columns(panels, self.scales, self.zeros, self.group_size)
-        self._hold_panels("int8_activations", panels, columns_inside=inside)
+        self._hold_panels("int8_activations", panels)
         if output_major and self.bits == 8:
             self.register_buffer("scale_columns",
                                  cpu_kernels.load().int8_activation_group_columns(self.scales, self.zeros),
@@ -227,11 +147,11 @@ class QuantizedLinear(nn.Module):
         self._hold_panels("weight", pack_panels(self.qweight, cpu_kernels.load().int8_weight_panel_group()))
         self.small_path = self.path = "ours"
 
-    def _hold_panels(self, layout: str, panels: torch.Tensor, columns_inside: bool = False) -> None:
+    def _hold_panels(self, layout: str, panels: torch.Tensor) -> None:
         self._buffers.pop("qweight_panels", None)  # the other layout's, where held
         self._buffers.pop("qweight", None)
         self.register_buffer("qweight_panels", panels, persistent=False)
-        self.held_panels, self.columns_in_panels = layout, columns_inside
+        self.held_panels = layout
         if self.in_arena:
             # Out of the arena (whose row-major weights would otherwise stay alive through these
             # views), to be gathered again with the panels.
@@ -270,7 +190,7 @@ class QuantizedLinear(nn.Module):
         self._buffers.pop("scale_columns", None)  # made again from the loaded scales
         # Loaded row-major, as saved, then held as panels again.
         self.register_buffer("qweight", self._row_major_from_panels(panels))
-        layout, self.held_panels, self.columns_in_panels = self.held_panels, None, False
+        layout, self.held_panels = self.held_panels, None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.hold_int8_activation_panels() if layout == "int8_activations" else self.hold_weight_panels()
 

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from shared.quantization_rule import LAYER_TYPES, PRESETS, QuantizationRule
-from worker.model.quantization import QuantizationPlan, QuantizedLinear, quantize
+from worker.model.quantization import QuantizationPlan, QuantizedLinear
+from worker.model.quantized_weight import quantize
 
 __all__ = ["PRESETS", "QuantizationReport", "QuantizationRule", "quantization_targets", "quantize_model"]
 
