@@ -151,14 +151,7 @@ def bench_int4_row_tiles(kernels, passes: int) -> None:
     (in a rotating order), so a drifting host hits all; and which one the build picks here by
     itself."""
     chosen = kernels.int4_row_kernel()
-    tiles = ["fma"]
-    for tile in ("bf16", "vnni"):
-        try:
-            kernels.int4_row_kernel(tile)
-            tiles.append(tile)
-        except RuntimeError:
-            pass
-    kernels.int4_row_kernel("auto")
+    tiles = cpu_kernels.int4_row_tiles(kernels)
     print(f"weight-only INT4 one row, groups of 128 (32 where K is not a multiple): median pass ms and weight GB/s "
           f"per tile, and each tile's time over the FMA tile's (< 1: faster); this build has {', '.join(tiles)}; "
           f"this host picks {chosen}")
@@ -220,12 +213,52 @@ def bench_int4_columns(kernels, passes: int) -> None:
                     kernels.linear_int4_weights_int8_activations(xs[q.shape[1]], weight, scales, q.zeros, group,
                                                                  outs[q.shape[0]])
                 return time.perf_counter() - start
-            times: dict[int, list[float]] = {0: [], 1: []}
-            for i in range(passes):
-                for form in ((0, 1) if i % 2 == 0 else (1, 0)):
-                    times[form].append(one_pass(form))
-            beside, inside = statistics.median(times[0]), statistics.median(times[1])
+            beside, inside = _alternating_medians(one_pass, passes)
             cells.append(f"{rows}: {beside * 1e3:.2f} / {inside * 1e3:.2f} ms ({inside / beside:.2f}x)")
+        print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
+
+
+def _alternating_medians(one_pass, passes: int) -> tuple[float, float]:
+    """The median seconds of `one_pass(0)` and of `one_pass(1)`, their runs alternating in order."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(passes):
+        for form in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[form].append(one_pass(form))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def bench_int4_tiles(kernels, passes: int) -> None:
+    """Weight-only INT4 on the AVX-512 kernels: held tiles (what a layer with groups of 128 holds,
+    its scales and zeros inside) against the row-major weight with its scales and zeros, each
+    form's tensors in one arena as an engine holds them (on 2 MiB pages where
+    THP_MEM_ALLOC_ENABLE=1, as a worker sets it), every layer's projections one after another at
+    1, 2, 3, 4, 8 and 32 rows, passes alternating so a drifting host hits both. Layers with other
+    groups stay row-major in both."""
+    from worker.model.int4_weight_tiles import to_tiles
+    from worker.model.weight_arena import gather
+    if not kernels.int4_weight_tiles_supported(128, 128):
+        raise SystemExit("only the AVX-512 kernels take held INT4 tiles")
+    print("weight-only INT4, groups of 128 (32 where K is not a multiple): median pass ms row-major, then held "
+          "tiles, and held over row-major (< 1: held faster)")
+    for model, (shapes, num_layers) in INT8_LAYOUT_MODELS.items():
+        projections = _int4_projections(shapes, num_layers)
+        row_major = gather([t for q, _ in projections for t in (q.qweight, q.scales, q.zeros)])
+        held = gather([to_tiles(q.qweight, q.scales, q.zeros) if group == 128 else q.qweight
+                       for q, group in projections])
+        layers = [(group, row_major[3 * n + 1], row_major[3 * n + 2], row_major[3 * n], held[n])
+                  for n, (_, group) in enumerate(projections)]
+        cells = []
+        for rows in (1, 2, 3, 4, 8, 32):
+            xs = {k: torch.randn(rows, k) for _, k in shapes}
+            outs = {n: torch.empty(rows, n) for n, _ in shapes}
+            def one_pass(form: int) -> float:
+                start = time.perf_counter()
+                for group, scales, zeros, *weights in layers:
+                    n, k = scales.shape[0], scales.shape[1] * group
+                    kernels.linear_small_batch_int4(xs[k], weights[form], scales, zeros, group, outs[n])
+                return time.perf_counter() - start
+            plain, tiles = _alternating_medians(one_pass, passes)
+            cells.append(f"{rows}: {plain * 1e3:.2f} / {tiles * 1e3:.2f} ms ({tiles / plain:.2f}x)")
         print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
 
 
@@ -298,6 +331,8 @@ def main() -> None:
                         help="only weight-only INT4, one row per call: the FMA tile against the bf16 and int8 tiles")
     parser.add_argument("--int4-columns", action="store_true",
                         help="only INT4 with int8 activations: group columns inside the panels against beside them")
+    parser.add_argument("--int4-tiles", action="store_true",
+                        help="only weight-only INT4: held tiles against the row-major weight, scales and zeros")
     args = parser.parse_args()
     torch.manual_seed(0)
     kernels = cpu_kernels.load()
@@ -313,6 +348,8 @@ def main() -> None:
             return bench_int4_row_tiles(kernels, max(2, args.repeats // 2))
         if args.int4_columns:
             return bench_int4_columns(kernels, max(2, args.repeats // 2))
+        if args.int4_tiles:
+            return bench_int4_tiles(kernels, max(2, args.repeats // 2))
         bench_linear(kernels, args.repeats)
         bench_transposed_form(args.repeats)
         bench_decode_attention(kernels, args.repeats)

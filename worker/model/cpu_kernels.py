@@ -57,6 +57,21 @@ def load():
         return None
 
 
+def int4_row_tiles(kernels) -> list[str]:
+    """The one-row INT4 tiles this build of `kernels` has, each a choice `int4_row_kernel` takes
+    ("fma" always; "bf16" and "vnni" where the compiler targeted them); the choice is left as it was."""
+    chosen, tiles = kernels.int4_row_kernel(), ["fma"]
+    for tile in ("bf16", "vnni"):
+        try:
+            kernels.int4_row_kernel(tile)
+            tiles.append(tile)
+        except RuntimeError:
+            pass
+    if kernels.int4_row_kernel("auto") != chosen:
+        kernels.int4_row_kernel(chosen)
+    return tiles
+
+
 def _sources_hash() -> str:
     """A digest of every file in csrc/, headers included: torch's builder rebuilds when its build
     arguments change, and only hashes the .cpp files itself."""

@@ -2,8 +2,8 @@
 in the stored formats of worker/model/quantized_weight.py.
 
 `QuantizedLinear` computes by one of three paths: "ours" (our C++ kernels widen int8/int4 to
-float in registers, CPU only; weight-only INT8 layers an engine serves hold their weight as the
-float tiles' panels, `hold_weight_panels`; or, opted in by `use_int8_activations`
+float in registers, CPU only; weight-only layers an engine serves hold their weight in the layout
+those kernels stream, `hold_weight_panels`; or, opted in by `use_int8_activations`
 (worker/model/step_weights.py), quantize the activations per 32-block to int8 and take integer
 dot products), "kernel" (torch's packed matmuls) or
 "dequant" (rebuild the float weight into a reused buffer, then the float matmul). A
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model import cpu_kernels
+from worker.model import cpu_kernels, int4_weight_tiles
 from worker.model.int8_activation_panels import (from_panels, host_layout_is_output_major, to_panels,
                                                  with_group_columns)
 from worker.model.layers import pack_panels, unpack_panels
@@ -61,9 +61,10 @@ class QuantizedLinear(nn.Module):
 
     With int8 activations (`use_int8_activations`) the weight is held as the panels those kernels
     read (worker/model/int8_activation_panels.py) instead of row-major: one copy, not two; a
-    weight-only INT8 layer an engine serves on our kernels holds it as the float tiles' panels
-    (`hold_weight_panels`). Reading `qweight` then rebuilds the row-major weight each time (a
-    read-only copy), and `state_dict()` still saves it row-major."""
+    weight-only layer an engine serves on our kernels holds it as they stream it
+    (`hold_weight_panels`: INT8 as the float tiles' panels, INT4 as held tiles with its scales and
+    zeros inside, worker/model/int4_weight_tiles.py). Reading `qweight` then rebuilds the
+    row-major weight each time (a read-only copy), and `state_dict()` still saves it row-major."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                  path: str = "dequant", input_scale: torch.Tensor | None = None,
@@ -114,9 +115,13 @@ class QuantizedLinear(nn.Module):
 
     @property
     def columns_in_panels(self) -> bool:
-        """Whether the held panels carry the scales and zeros inside (`with_group_columns`): an INT4
-        weight's int8-activation panels where the kernels read the output-major layout."""
-        return self.held_panels == "int8_activations" and self.bits == 4 and host_layout_is_output_major()
+        """Whether the held panels carry the scales and zeros inside: an INT4 weight's held tiles,
+        or its int8-activation panels where the kernels read the output-major layout
+        (`with_group_columns`)."""
+        if self.bits != 4:
+            return False
+        return self.held_panels == "weight" or (self.held_panels == "int8_activations"
+                                                and host_layout_is_output_major())
 
     def hold_int8_activation_panels(self) -> None:
         """Hold the weight as int8-activation panels and drop the row-major copy. Where those
@@ -137,14 +142,21 @@ class QuantizedLinear(nn.Module):
                                  persistent=False)
 
     def hold_weight_panels(self) -> None:
-        """Where our kernels run this layer, hold its weight-only INT8 weight as int8 panels
-        (`pack_panels`, grouped as this host's kernels read them best) and drop the row-major
-        copy: our kernel widens them inside the float32 panel tiles, nothing laid out per call,
-        and every step size then runs it."""
-        if (self.bits != 8 or self.int8_activations or self.held_panels is not None
+        """Where our kernels run this weight-only layer, hold its weight in the layout they stream
+        and drop the row-major copy, and run it through them at every step size: INT8 as int8
+        panels (`pack_panels`, grouped as this host's kernels read them best; widened inside the
+        float32 panel tiles), INT4 with groups of 128 on AVX-512 hosts as held tiles
+        (worker/model/int4_weight_tiles.py: one stream per 8 rows, scales and zeros inside)."""
+        if (self.int8_activations or self.held_panels is not None
                 or not self.path_available("ours", self.scales.device)):
             return
-        self._hold_panels("weight", pack_panels(self.qweight, cpu_kernels.load().int8_weight_panel_group()))
+        if self.bits == 8:
+            panels = pack_panels(self.qweight, cpu_kernels.load().int8_weight_panel_group())
+        elif int4_weight_tiles.supported(self.in_features, self.group_size):
+            panels = int4_weight_tiles.to_tiles(self.qweight, self.scales, self.zeros)
+        else:
+            return
+        self._hold_panels("weight", panels)
         self.small_path = self.path = "ours"
 
     def _hold_panels(self, layout: str, panels: torch.Tensor) -> None:
@@ -163,6 +175,8 @@ class QuantizedLinear(nn.Module):
     def _row_major_from_panels(self, panels: torch.Tensor | None = None) -> torch.Tensor:
         panels = self._buffers["qweight_panels"] if panels is None else panels
         if self.held_panels == "weight":
+            if self.bits == 4:
+                return int4_weight_tiles.from_tiles(panels, self.out_features)
             return unpack_panels(panels, self.out_features)
         return from_panels(panels, self.bits, self.shape, self.group_size)
 
@@ -248,7 +262,7 @@ class QuantizedLinear(nn.Module):
             kernels.linear_int4_weights_int8_activations(x, self.kernel_weight(), self.kernel_scales(), self.zeros,
                                                          self.group_size, out)
         else:
-            kernels.linear_small_batch_int4(x, self.qweight, self.scales, self.zeros, self.group_size, out)
+            kernels.linear_small_batch_int4(x, self.kernel_weight(), self.scales, self.zeros, self.group_size, out)
         return out
 
     def takes_int8_activations(self) -> bool:

@@ -1,6 +1,6 @@
 """How a model's quantized layers hold what each decode step reads: switched to int8 activations
-(`use_int8_activations`: their weight as those kernels' panels), weight-only INT8 layers' weight
-as the float tiles' panels (`hold_weight_panels`), and every such tensor gathered
+(`use_int8_activations`: their weight as those kernels' panels), weight-only layers' weight as
+our kernels stream it (`hold_weight_panels`), and every such tensor gathered
 into one allocation (`gather_step_weights`, worker/model/weight_arena.py) so that, with huge
 pages on, a step streams its weights from 2 MiB pages."""
 from __future__ import annotations
@@ -27,8 +27,8 @@ def use_int8_activations(model: nn.Module) -> tuple[int, int]:
 
 
 def hold_weight_panels(model: nn.Module) -> int:
-    """Hold the weight of every weight-only INT8 layer our kernels run as the panels they read
-    (`QuantizedLinear.hold_weight_panels`); the layers that hold them now."""
+    """Hold the weight of every weight-only layer our kernels run in the layout they stream
+    (`QuantizedLinear.hold_weight_panels`); the layers that hold it now."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     for layer in layers:
         layer.hold_weight_panels()
@@ -39,8 +39,8 @@ def gather_step_weights(layers: list[QuantizedLinear]) -> None:
     """Hold what each decode step reads of these layers (on the CPU, not yet in an arena) in one
     allocation (worker/model/weight_arena.py: with huge pages on, all of it on 2 MiB pages): the
     int8-activation panels and group columns where held (an INT4 weight's columns inside its
-    panels; else their scales and zeros), or the
-    weight-only layers' weight (panels or row-major), scales and zeros."""
+    panels; else their scales and zeros), or the weight-only layers' weight (held tiles with their
+    columns inside; panels or row-major, with scales and zeros)."""
     layers = list({id(layer): layer for layer in layers
                    if not layer.in_arena and layer.scales.device.type == "cpu"}.values())
     def read_per_step(layer: QuantizedLinear) -> tuple[str, ...]:

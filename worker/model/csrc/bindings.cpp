@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a step's model up to the head in one call (embedding lookup, every decoder layer: norms, projections, "
         "rotary + KV write, paged attention, gated MLP; the final norm): the final hidden states (CPU, float32)");
   m.def("linear_small_batch_int4", &linear_small_batch_int4, "out = x @ dequant(int4 weight).T for few rows");
+  m.def("int4_weight_tiles_supported", &int4_weight_tiles_supported,
+        "whether this build's linear_small_batch_int4 takes held INT4 tiles for weights of this K and group size");
   m.def("int4_row_kernel", &int4_row_kernel, py::arg("choice") = "",
         "the tile a single row of x takes by INT4 weights, \"bf16\" or \"fma\"; given \"auto\" (by the CPU's "
         "vendor), \"bf16\" or \"fma\", chooses it first");

@@ -63,8 +63,9 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
     const at::Tensor input = input_scale ? (x * *input_scale) : x.contiguous();
     const at::Tensor& scales = *layer[first + kScales];
     // Weight-only INT8 panels ([P, K, 16] or grouped [G, K, 2, 16]) end in one panel's 16
-    // outputs; the int8-activation layouts' last dimension is a 64-byte unit.
-    const bool weight_only_panels = weight.dim() > 2 && weight.size(-1) == 16;
+    // outputs, held INT4 tiles in a group's rows and columns; the int8-activation layouts' last
+    // dimension is a 64-byte unit.
+    const bool weight_only_panels = weight.dim() > 2 && (weight.size(-1) == 16 || held_int4_tiles(weight));
     const bool int8_activations = weight.dim() > 2 && !weight_only_panels;
     if (weight.dtype() == at::kChar) {
       if (int8_activations)

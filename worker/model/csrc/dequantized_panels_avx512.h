@@ -75,11 +75,13 @@ inline void int8_panel(const int8_t* q, int64_t in_features, const float* s, int
   }
 }
 
-// The same for int4 weights (`q` [N, K/2] bytes, feature 2b in the low nibble of byte b, 2b + 1 in
-// the high one) with per-group scales and zeros (`s`, `z` [N, num_groups] from row n0 on; the
-// group size a multiple of 8). `table` holds 2 x num_groups x kRows floats, 64-byte aligned.
-inline void int4_panel(const uint8_t* q, int64_t in_features, const float* s, const float* z, int64_t group_size,
-                       int64_t n_count, float* table, float* panel) {
+// The same for int4 weights with per-group scales and zeros (the group size a multiple of 8):
+// `rows` gives the panel's row j (< n_count): `bytes(j, k)` its 32 packed bytes from feature k (a
+// multiple of 64; feature 2b in the low nibble of byte b, 2b + 1 in the high one), `scale(j, g)`
+// and `zero(j, g)`. `table` holds 2 x num_groups x kRows floats, 64-byte aligned.
+template <typename Rows>
+inline void int4_panel(const Rows& rows, int64_t in_features, int64_t group_size, int64_t n_count, float* table,
+                       float* panel) {
   const int64_t num_groups = in_features / group_size;
   // Each group's 16 scales (then zeros) side by side, the rows past n_count zero, so a padding
   // row dequantizes to 0 * 0 + 0.
@@ -87,8 +89,8 @@ inline void int4_panel(const uint8_t* q, int64_t in_features, const float* s, co
   float* zeros = table + num_groups * kRows;
   for (int64_t g = 0; g < num_groups; ++g)
     for (int64_t j = 0; j < kRows; ++j) {
-      scales[g * kRows + j] = j < n_count ? s[j * num_groups + g] : 0.f;
-      zeros[g * kRows + j] = j < n_count ? z[j * num_groups + g] : 0.f;
+      scales[g * kRows + j] = j < n_count ? rows.scale(j, g) : 0.f;
+      zeros[g * kRows + j] = j < n_count ? rows.zero(j, g) : 0.f;
     }
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   for (int64_t k0 = 0; k0 < in_features; k0 += kBlock) {
@@ -100,7 +102,7 @@ inline void int4_panel(const uint8_t* q, int64_t in_features, const float* s, co
         r[j] = _mm512_setzero_si512();
         continue;
       }
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * (in_features / 2) + k0 / 2));
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.bytes(j, k0)));
       r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low_nibbles)),
                                 _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles), 1);
     }

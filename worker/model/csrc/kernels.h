@@ -49,6 +49,8 @@ int64_t int8_weight_panel_group();
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
                              int64_t group_size, at::Tensor out);
 std::string int4_row_kernel(const std::string& choice);
+bool int4_weight_tiles_supported(int64_t in_features, int64_t group_size);
+bool held_int4_tiles(const at::Tensor& weight);
 
 // linear_int8_activations.cpp
 bool int8_activations_supported(int64_t in_features, int64_t group_size);

@@ -37,6 +37,8 @@ constexpr int64_t kInt4WidenFromRows = 15;
 // tiles of several rows (int4_rows_tile) widen each nibble once for all of them and scale once
 // a group, so they hold out longer where groups are long.
 constexpr int64_t kInt8ByteFillFromRows = 5;
+// Lines per group of a held INT4 tile (Int4HeldTile): its 8 rows' bytes, then the columns.
+constexpr int64_t kHeldTileLines = 9;
 inline int64_t int4_byte_fill_from_rows(int64_t group_size) {
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   if (group_size % weight_only_avx512::kSplitRun == 0) return group_size % 128 == 0 ? 10 : 6;
@@ -440,18 +442,180 @@ std::string int4_row_kernel(const std::string& choice) {
   }
 }
 
-// x [M, K] float32, qweight [N, K/2] uint8 (column 2j in the low nibble of byte j, 2j+1 in the
-// high one), scales and zeros [N, K/G] float32 -> out [M, N].
+namespace {
+// sums[m * G + g] = sum(x_g) of each of the first `rows` rows of x and each group g (the INT4
+// zero-point term's factor).
+void sum_x_groups(const float* x, int64_t rows, int64_t in_features, int64_t group_size, float* sums) {
+  const int64_t num_groups = in_features / group_size;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x[m * in_features + k];
+      sums[m * num_groups + g] = sum;
+    }
+}
+}  // namespace
+
+#ifdef HAVE_AVX512_DEQUANTIZED_PANELS
+namespace {
+// Rows of a row-major INT4 weight from row n0 on, as int4_panel reads them.
+struct RowMajorPanelRows {
+  const uint8_t* q;
+  const float *s, *z;
+  int64_t row_bytes, num_groups;
+  const uint8_t* bytes(int64_t j, int64_t k) const { return q + j * row_bytes + k / 2; }
+  float scale(int64_t j, int64_t g) const { return s[j * num_groups + g]; }
+  float zero(int64_t j, int64_t g) const { return z[j * num_groups + g]; }
+};
+
+// Each 16 weight rows dequantized once into a float32 panel that every row of x passes over
+// (quantized_through_panels), for INT4 weights in any layout: `panel_rows(n0)` gives the 16 rows
+// from n0 as int4_panel reads them.
+template <typename PanelRows>
+void int4_through_panels(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
+                         int64_t group_size, float* out_ptr, PanelRows panel_rows) {
+  quantized_through_panels(x_ptr, rows, in_features, out_features, out_ptr, 2 * in_features / group_size * kPanel,
+                           [&](int64_t n0, int64_t n_count, float* panel, float* table) {
+                             dequantized_panels_avx512::int4_panel(panel_rows(n0), in_features, group_size, n_count,
+                                                                   table, panel);
+                           });
+}
+
+}  // namespace
+#endif
+
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+namespace {
+namespace wide = weight_only_avx512;
+static_assert(kHeldTileLines == wide::kHeldGroupBytes / 64, "a held group is its rows' lines and one of columns");
+
+// A 16-row panel of held INT4 tiles (two tiles) as int4_panel reads it.
+struct HeldPanelRows {
+  const uint8_t* first_tile;
+  int64_t tile_bytes;
+  wide::Int4HeldTile tile_of(int64_t j) const { return {first_tile + j / wide::kCols * tile_bytes, tile_bytes}; }
+  const uint8_t* bytes(int64_t j, int64_t k) const { return tile_of(j).bytes(j % wide::kCols, k); }
+  float scale(int64_t j, int64_t g) const { return tile_of(j).scale(j % wide::kCols, g); }
+  float zero(int64_t j, int64_t g) const { return tile_of(j).columns(g)[wide::kCols + j % wide::kCols]; }
+};
+static_assert(dequantized_panels_avx512::kRows % wide::kCols == 0, "a panel is whole tiles");
+
+// The AVX-512 INT4 register tiles over any layout (`tile_rows(n0)`: where the kCols weight rows
+// from n0 lie, Int4RowPointers or Int4HeldTile; groups whole steps): each tile accumulates every
+// group's x_g . q_g on the raw nibbles, in the nibble-split order, scales it once per group and
+// adds the zero-point term at the end (int4_row_tile for one row, int4_rows_tile for two or
+// three).
+template <typename TileRows>
+void int4_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features, int64_t group_size,
+                float* out_ptr, TileRows tile_rows) {
+  const int64_t num_groups = in_features / group_size;
+  std::vector<float> x_sums(rows * num_groups);
+  static_assert(wide::kSplitRun == wide::kStep, "a step is one run of split nibbles");
+  // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through the
+  // chosen one-row tile; the bf16 and int8 ones take x prepared once for all their tiles (the
+  // int8 one with its own sums of x, for the zero-point term), and only the rows before it are
+  // split for the float tiles.
+  const Int4RowTile row_tile = rows % wide::kRows == 1 ? int4_row_tile_in_use() : Int4RowTile::kFma;
+  const float* last_x = x_ptr + (rows - 1) * in_features;
+#ifdef HAVE_AVX512_BF16_NIBBLES
+  const bool bf16_row = row_tile == Int4RowTile::kBf16 && group_size % wide::kNibbleRun == 0;
+  const wide::NibbleRowX last_row = bf16_row ? wide::split_x_bf16(last_x, in_features, group_size) : wide::NibbleRowX{};
+#else
+  constexpr bool bf16_row = false;
+#endif
+#ifdef HAVE_AVX512_VNNI_NIBBLES
+  const bool vnni_row = row_tile == Int4RowTile::kVnni && group_size % wide::kVnniRun == 0;
+  const wide::NibbleRowParts last_parts =
+      vnni_row ? wide::split_x_int8(last_x, in_features, group_size) : wide::NibbleRowParts{};
+  if (vnni_row) std::copy(last_parts.sums.begin(), last_parts.sums.end(), x_sums.begin() + (rows - 1) * num_groups);
+#else
+  constexpr bool vnni_row = false;
+#endif
+  (void)last_x;
+  sum_x_groups(x_ptr, rows - (vnni_row ? 1 : 0), in_features, group_size, x_sums.data());  // the int8 tile's row has its sums already
+  const std::vector<float> split_x =
+      split_features<wide::kSplitRun>(x_ptr, rows - (bf16_row || vnni_row ? 1 : 0), in_features);
+  for_each_output_tile<wide::kRows, wide::kCols>(
+      rows, out_features, out_ptr,
+      [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
+        const auto weights = tile_rows(n0);
+        const float* x_rows = split_x.data() + m0 * in_features;
+        static_assert(wide::kRows == 3, "one case per row count below");
+        if (m_count == 3)
+          wide::int4_rows_tile<3>(x_rows, in_features, weights, in_features, group_size, total);
+        else if (m_count == 2)
+          wide::int4_rows_tile<2>(x_rows, in_features, weights, in_features, group_size, total);
+#ifdef HAVE_AVX512_BF16_NIBBLES
+        else if (bf16_row)
+          wide::int4_row_tile_bf16(last_row, weights, in_features, group_size, total[0]);
+#endif
+#ifdef HAVE_AVX512_VNNI_NIBBLES
+        else if (vnni_row)
+          wide::int4_row_tile_vnni(last_parts, weights, in_features, group_size, total[0]);
+#endif
+        else
+          wide::int4_row_tile(x_rows, weights, in_features, group_size, total[0]);
+        for (int64_t i = 0; i < m_count; ++i)
+          wide::add_zero_terms(weights, x_sums.data() + (m0 + i) * num_groups, num_groups, total[i]);
+      });
+}
+}  // namespace
+#endif
+
+// Whether `weight` has the shape of held INT4 tiles: [tiles, groups, 8 rows + 1 of columns, 64].
+bool held_int4_tiles(const at::Tensor& weight) {
+  return weight.dim() == 4 && weight.size(2) == kHeldTileLines && weight.size(3) == 64;
+}
+
+bool int4_weight_tiles_supported(int64_t in_features, int64_t group_size) {
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+  return group_size == wide::kHeldGroup && in_features % group_size == 0;
+#else
+  (void)in_features, (void)group_size;
+  return false;
+#endif
+}
+
+// x [M, K] float32 -> out [M, N] by an INT4 weight with groups of G features: qweight [N, K/2]
+// uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one) with scales and zeros
+// [N, K/G] float32, or held tiles [ceil(N / 8), K / 128, 9, 64] uint8 (Int4HeldTile, where
+// int4_weight_tiles_supported: the scales and zeros inside them; `scales` and `zeros` are then
+// only checked against them).
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
                              int64_t group_size, at::Tensor out) {
-  const int64_t in_features = x.size(1), out_features = qweight.size(0);
-  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() && qweight.size(1) * 2 == in_features,
-              "qweight: contiguous uint8 [N, K/2]");
+  const int64_t in_features = x.size(1);
   TORCH_CHECK(group_size % kLanes == 0 && in_features % group_size == 0, "group size must tile K in 8s");
   TORCH_CHECK(zeros.dtype() == at::kFloat && zeros.is_contiguous(), "zeros: contiguous float32");
+  const bool held = held_int4_tiles(qweight);
+  const int64_t out_features = held ? out.size(1) : qweight.size(0);
   check_quantized_args(x, scales, out, out_features);
   const int64_t rows = x.size(0), num_groups = in_features / group_size;
+  TORCH_CHECK(scales.numel() == out_features * num_groups && zeros.numel() == out_features * num_groups,
+              "scales and zeros: [N, K/G]");
   const float* x_ptr = x.data_ptr<float>();
+  if (held) {
+#ifdef HAVE_AVX512_WEIGHT_ONLY
+    TORCH_CHECK(int4_weight_tiles_supported(in_features, group_size),
+                "held INT4 tiles take groups of ", wide::kHeldGroup, " features, got ", group_size);
+    TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() &&
+                    qweight.size(0) == (out_features + wide::kCols - 1) / wide::kCols &&
+                    qweight.size(1) == num_groups,
+                "held INT4 tiles: contiguous uint8 [ceil(N / ", wide::kCols, "), K / ", wide::kHeldGroup, ", ",
+                wide::kCols + 1, ", 64] for out [M, N]");
+    const uint8_t* tiles = qweight.data_ptr<uint8_t>();
+    const int64_t tile_bytes = num_groups * wide::kHeldGroupBytes;
+    if (rows > int4_byte_fill_from_rows(group_size))
+      return int4_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                                 [=](int64_t n0) { return HeldPanelRows{tiles + n0 / wide::kCols * tile_bytes, tile_bytes}; });
+    return int4_tiles(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                      [=](int64_t n0) { return wide::Int4HeldTile{tiles + n0 / wide::kCols * tile_bytes, tile_bytes}; });
+#else
+    TORCH_CHECK(false, "held INT4 tiles need this build's AVX-512 kernels (int4_weight_tiles_supported)");
+#endif
+  }
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() && qweight.dim() == 2 &&
+                  qweight.size(1) * 2 == in_features,
+              "qweight: contiguous uint8 [N, K/2]");
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const float* z = zeros.data_ptr<float>();
@@ -460,12 +624,11 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   if (rows > (fills_by_bytes(in_features) ? int4_byte_fill_from_rows(group_size) : kInt4WidenFromRows)) {
 #ifdef HAVE_AVX512_DEQUANTIZED_PANELS
     if (fills_by_bytes(in_features))
-      return quantized_through_panels(x_ptr, rows, in_features, out_features, out.data_ptr<float>(),
-                                      2 * num_groups * kPanel, [&](int64_t n0, int64_t n_count, float* panel, float* table) {
-                                        dequantized_panels_avx512::int4_panel(row_of(n0), in_features, s + n0 * num_groups,
-                                                                              z + n0 * num_groups, group_size, n_count,
-                                                                              table, panel);
-                                      });
+      return int4_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                                 [=](int64_t n0) {
+                                   return RowMajorPanelRows{q + n0 * (in_features / 2), s + n0 * num_groups,
+                                                            z + n0 * num_groups, in_features / 2, num_groups};
+                                 });
 #endif
     return quantized_through_panels(x_ptr, rows, in_features, out_features, out.data_ptr<float>(), 0,
                                     fill_by_transposes(in_features, group_size, [=](int64_t n, int64_t k, int64_t g) {
@@ -475,84 +638,22 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
                                     }));
   }
 #endif
-  // sum(x_g) per row and group, for the zero-point term; the rows before `m_end`.
-  std::vector<float> x_sums(rows * num_groups);
-  auto sum_groups = [&](int64_t m_end) {
-    for (int64_t m = 0; m < m_end; ++m)
-      for (int64_t g = 0; g < num_groups; ++g) {
-        float sum = 0.f;
-        for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += x_ptr[m * in_features + k];
-        x_sums[m * num_groups + g] = sum;
-      }
-  };
 #ifdef HAVE_AVX512_WEIGHT_ONLY
-  // Each tile accumulates every group's x_g . q_g on the raw nibbles, in the nibble-split order,
-  // scales it once per group and adds the zero-point term at the end (int4_row_tile for one row,
-  // int4_rows_tile for two or three).
-  namespace wide = weight_only_avx512;
-  static_assert(wide::kSplitRun == wide::kStep, "a step is one run of split nibbles");
-  if (group_size % wide::kSplitRun == 0) {
-    // The row a tile of kRows leaves alone (the last, where rows % kRows == 1) goes through the
-    // chosen one-row tile; the bf16 and int8 ones take x prepared once for all their tiles (the
-    // int8 one with its own sums of x, for the zero-point term), and only the rows before it are
-    // split for the float tiles.
-    const Int4RowTile row_tile = rows % wide::kRows == 1 ? int4_row_tile_in_use() : Int4RowTile::kFma;
-    const float* last_x = x_ptr + (rows - 1) * in_features;
-#ifdef HAVE_AVX512_BF16_NIBBLES
-    const bool bf16_row = row_tile == Int4RowTile::kBf16 && group_size % wide::kNibbleRun == 0;
-    const wide::NibbleRowX last_row = bf16_row ? wide::split_x_bf16(last_x, in_features, group_size) : wide::NibbleRowX{};
-#else
-    constexpr bool bf16_row = false;
+  if (group_size % wide::kSplitRun == 0)
+    return int4_tiles(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(), [=](int64_t n0) {
+      // Past the last weight row a tile repeats it, and those outputs are dropped.
+      wide::Int4RowPointers weights{{}, {}, {}, in_features / 2};
+      for (int64_t j = 0; j < wide::kCols; ++j) {
+        const int64_t n = std::min(n0 + j, out_features - 1);
+        weights.rows[j] = row_of(n);
+        weights.scales[j] = s + n * num_groups;
+        weights.zeros[j] = z + n * num_groups;
+      }
+      return weights;
+    });
 #endif
-#ifdef HAVE_AVX512_VNNI_NIBBLES
-    const bool vnni_row = row_tile == Int4RowTile::kVnni && group_size % wide::kVnniRun == 0;
-    const wide::NibbleRowParts last_parts =
-        vnni_row ? wide::split_x_int8(last_x, in_features, group_size) : wide::NibbleRowParts{};
-    if (vnni_row) std::copy(last_parts.sums.begin(), last_parts.sums.end(), x_sums.begin() + (rows - 1) * num_groups);
-#else
-    constexpr bool vnni_row = false;
-#endif
-    (void)last_x;
-    sum_groups(rows - (vnni_row ? 1 : 0));  // the int8 tile's row has its sums already
-    const std::vector<float> split_x =
-        split_features<wide::kSplitRun>(x_ptr, rows - (bf16_row || vnni_row ? 1 : 0), in_features);
-    return for_each_output_tile<wide::kRows, wide::kCols>(
-        rows, out_features, out.data_ptr<float>(),
-        [&](int64_t, int64_t, int64_t m0, int64_t m_count, int64_t n0, int64_t, float total[wide::kRows][wide::kCols]) {
-          constexpr int64_t kCols = wide::kCols;
-          int64_t rows_of[kCols];
-          const uint8_t* row_weights[kCols];
-          const float* row_scales[kCols];
-          for (int64_t j = 0; j < kCols; ++j) {
-            rows_of[j] = std::min(n0 + j, out_features - 1);
-            row_weights[j] = row_of(rows_of[j]);
-            row_scales[j] = s + rows_of[j] * num_groups;
-          }
-          const float* x_rows = split_x.data() + m0 * in_features;
-          static_assert(wide::kRows == 3, "one case per row count below");
-          if (m_count == 3)
-            wide::int4_rows_tile<3>(x_rows, in_features, row_weights, row_scales, in_features, group_size, total);
-          else if (m_count == 2)
-            wide::int4_rows_tile<2>(x_rows, in_features, row_weights, row_scales, in_features, group_size, total);
-#ifdef HAVE_AVX512_BF16_NIBBLES
-          else if (bf16_row)
-            wide::int4_row_tile_bf16(last_row, row_weights, row_scales, in_features, group_size, total[0]);
-#endif
-#ifdef HAVE_AVX512_VNNI_NIBBLES
-          else if (vnni_row)
-            wide::int4_row_tile_vnni(last_parts, row_weights, row_scales, in_features, group_size, total[0]);
-#endif
-          else
-            wide::int4_row_tile(x_rows, row_weights, row_scales, in_features, group_size, total[0]);
-          for (int64_t i = 0; i < m_count; ++i)
-            for (int64_t j = 0; j < kCols; ++j) {
-              const float* row_zeros = z + rows_of[j] * num_groups;
-              for (int64_t g = 0; g < num_groups; ++g) total[i][j] += row_zeros[g] * x_sums[(m0 + i) * num_groups + g];
-            }
-        });
-  }
-#endif
-  sum_groups(rows);
+  std::vector<float> x_sums(rows * num_groups);
+  sum_x_groups(x_ptr, rows, in_features, group_size, x_sums.data());
   auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
     return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
   };

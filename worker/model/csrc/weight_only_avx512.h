@@ -38,26 +38,87 @@ inline void prefetch_ahead(const void* weights) {
 // tile (docs/benchmarks.md has the measurement). A tile whose arithmetic is light enough to
 // outrun that (the int8 one-row tile) also asks for the tile after the next one into L2: the
 // requests to L1 alone keep too few lines in flight to stream at the memory's rate.
+// Prefetches the compiler keeps: GCC deletes a loop whose only work is _mm_prefetch (it counts
+// the builtin as free of side effects), which a loop over computed line bounds became.
+inline void prefetch_to_l1(const char* at) { asm volatile("prefetcht0 %0" : : "m"(*at)); }
+inline void prefetch_to_l2(const char* at) { asm volatile("prefetcht1 %0" : : "m"(*at)); }
+
 class NextTilePrefetch {
  public:
-  // `last_row`: the tile's last weight row; `row_bytes`: bytes a row; `step_bytes`: bytes a row
-  // gives each step; `and_the_one_after`: also the tile after the next, to L2.
-  NextTilePrefetch(const void* last_row, int64_t row_bytes, int64_t step_bytes, bool and_the_one_after = false)
-      : next_(static_cast<const char*>(last_row) + row_bytes),
-        lines_per_step_(kCols * step_bytes / 64),
-        after_(and_the_one_after ? kCols * row_bytes : 0) {}
+  // `next`: where the next tile's bytes start; `step_bytes`: how many of them each step of this
+  // tile asks for (its steps cover the next tile once); `after`: where nonzero, the distance to
+  // the tile after the next, whose bytes each step also asks for, to L2.
+  NextTilePrefetch(const void* next, int64_t step_bytes, int64_t after = 0)
+      : next_(static_cast<const char*>(next)), step_bytes_(step_bytes), after_(after) {}
   void step(int64_t index) const {
-    for (int64_t line = 0; line < lines_per_step_; ++line) {
-      const char* at = next_ + (index * lines_per_step_ + line) * 64;
-      _mm_prefetch(at, _MM_HINT_T0);
-      if (after_) _mm_prefetch(at + after_, _MM_HINT_T1);
+    // The lines that start within this step's share of the bytes (shares need not be whole lines).
+    const int64_t end = ((index + 1) * step_bytes_ + 63) / 64;
+    for (int64_t line = (index * step_bytes_ + 63) / 64; line < end; ++line) {
+      const char* at = next_ + line * 64;
+      prefetch_to_l1(at);
+      if (after_) prefetch_to_l2(at + after_);
     }
   }
 
  private:
   const char* next_;
-  int64_t lines_per_step_, after_;
+  int64_t step_bytes_, after_;
 };
+
+// Where a tile's kCols INT4 weight rows lie, as the INT4 tiles read them: row j's packed bytes
+// from feature k (a multiple of 32: `bytes(j, k)`), its scale of group g, the group's zeros of
+// all kCols rows (`zeros_of_group`), and the prefetch of the next tile for steps of `step_features`.
+// Row-major ([N, K/2] bytes, [N, num_groups] scales and zeros): a pointer per row; the rows of a
+// tile lie end to end, and the next tile's right after them.
+static_assert(kCols == 8, "a group's zeros of a tile are one 256-bit register");
+struct Int4RowPointers {
+  const uint8_t* rows[kCols];
+  const float* scales[kCols];
+  const float* zeros[kCols];
+  int64_t row_bytes;
+  const uint8_t* bytes(int64_t j, int64_t k) const { return rows[j] + k / 2; }
+  float scale(int64_t j, int64_t g) const { return scales[j][g]; }
+  __m256 zeros_of_group(int64_t g) const {
+    return _mm256_setr_ps(zeros[0][g], zeros[1][g], zeros[2][g], zeros[3][g], zeros[4][g], zeros[5][g], zeros[6][g],
+                          zeros[7][g]);
+  }
+  NextTilePrefetch next_tile(int64_t step_features, bool and_the_one_after = false) const {
+    return NextTilePrefetch(rows[kCols - 1] + row_bytes, kCols * step_features / 2,
+                            and_the_one_after ? kCols * row_bytes : 0);
+  }
+};
+
+// A held INT4 tile (worker/model/int4_weight_tiles.py; groups of kHeldGroup features): per
+// group, each of the tile's rows' 64 bytes, then the rows' kCols scales and kCols zeros, so that
+// a tile is one forward stream with its scales and zeros inside it, and tiles lie end to end.
+constexpr int64_t kHeldGroup = 128;
+constexpr int64_t kHeldGroupBytes = (kCols + 1) * 64;
+struct Int4HeldTile {
+  const uint8_t* tile;
+  int64_t tile_bytes;
+  const uint8_t* bytes(int64_t j, int64_t k) const {
+    return tile + k / kHeldGroup * kHeldGroupBytes + j * 64 + k % kHeldGroup / 2;
+  }
+  const float* columns(int64_t g) const {
+    return reinterpret_cast<const float*>(tile + g * kHeldGroupBytes + kCols * 64);
+  }
+  float scale(int64_t j, int64_t g) const { return columns(g)[j]; }
+  __m256 zeros_of_group(int64_t g) const { return _mm256_loadu_ps(columns(g) + kCols); }
+  NextTilePrefetch next_tile(int64_t step_features, bool and_the_one_after = false) const {
+    return NextTilePrefetch(tile + tile_bytes, step_features * kHeldGroupBytes / kHeldGroup,
+                            and_the_one_after ? tile_bytes : 0);
+  }
+};
+
+// The zero-point term of a tile's kCols rows for one row of x, added to its sums: sums[j] += the
+// sum over groups g of zero(j, g) * sum(x_g) (`x_sums`), all rows in one register a group.
+template <typename Rows>
+inline void add_zero_terms(const Rows& rows, const float* x_sums, int64_t num_groups, float sums[kCols]) {
+  __m256 terms = _mm256_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g)
+    terms = _mm256_fmadd_ps(rows.zeros_of_group(g), _mm256_set1_ps(x_sums[g]), terms);
+  _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_loadu_ps(sums), terms));
+}
 
 // 16 int8 weights -> 16 floats.
 inline __m512 widen_int8(const int8_t* q) {
@@ -127,18 +188,18 @@ inline __m512 high_nibbles(__m512i bytes, __m512 table) {
   return _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
-// One row of x (in the nibble-split order) by kCols INT4 weight rows (`rows[j]`: row j's
-// packed bytes, `scales[j]`: its group scales): sums[j] = sum over groups g of scales[j][g] *
-// x_g . q_g. A single row shares no widened weight with another row, so each group's x_g . q_g
-// accumulates on the raw nibbles and one FMA per group and row scales it, where dequantizing
-// every weight first takes an FMA per 16 weights, as many as the products. The pointers are
-// plain arguments, and each row's low and high nibbles accumulate apart, so that the loop holds
-// every pointer in a register and no FMA waits on the one before; one prefetch per 64-byte line
-// of a row (a step reads 16 bytes) leaves the load ports to the weights.
-inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], const float* const scales[kCols],
-                          int64_t in_features, int64_t group_size, float sums[kCols]) {
+// One row of x (in the nibble-split order) by kCols INT4 weight rows (`rows`: where they lie,
+// Int4RowPointers or Int4HeldTile): sums[j] = sum over groups g of scale(j, g) * x_g . q_jg. A
+// single row shares no widened weight with another row, so each group's x_g . q_g accumulates on
+// the raw nibbles and one FMA per group and row scales it, where dequantizing every weight first
+// takes an FMA per 16 weights, as many as the products. Each row's low and high nibbles
+// accumulate apart, so that no FMA waits on the one before; one prefetch per 64-byte line of a
+// row (a step reads 16 bytes) leaves the load ports to the weights.
+template <typename Rows>
+inline void int4_row_tile(const float* x, const Rows& rows, int64_t in_features, int64_t group_size,
+                          float sums[kCols]) {
   const __m512 nibble_values = nibble_table();
-  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kStep / 2);
+  const NextTilePrefetch next_tile = rows.next_tile(kStep);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < in_features; g0 += group_size) {
@@ -146,33 +207,31 @@ inline void int4_row_tile(const float* x, const uint8_t* const rows[kCols], cons
     for (int64_t j = 0; j < kCols; ++j) low[j] = high[j] = _mm512_setzero_ps();
     for (int64_t k = g0; k < g0 + group_size; k += kStep) {
       const __m512 x_low = _mm512_loadu_ps(x + k), x_high = _mm512_loadu_ps(x + k + kLanes);
-      const int64_t at = k / 2;
       next_tile.step(k / kStep);
       for (int64_t j = 0; j < kCols; ++j) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + at)));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows.bytes(j, k))));
         low[j] = _mm512_fmadd_ps(x_low, low_nibbles(bytes, nibble_values), low[j]);
         high[j] = _mm512_fmadd_ps(x_high, high_nibbles(bytes, nibble_values), high[j]);
       }
     }
     const int64_t g = g0 / group_size;
     for (int64_t j = 0; j < kCols; ++j)
-      sum[j] = _mm512_fmadd_ps(_mm512_add_ps(low[j], high[j]), _mm512_set1_ps(scales[j][g]), sum[j]);
+      sum[j] = _mm512_fmadd_ps(_mm512_add_ps(low[j], high[j]), _mm512_set1_ps(rows.scale(j, g)), sum[j]);
   }
   sum_each(sum, sums);
 }
 
 // int4_row_tile's sums for kR rows of x (2 or 3, in the nibble-split order, `x_stride` apart):
-// sums[i][j] = sum over groups g of scales[j][g] * x_ig . q_jg. Each widened nibble feeds all
+// sums[i][j] = sum over groups g of scale(j, g) * x_ig . q_jg. Each widened nibble feeds all
 // kR rows, and no weight is dequantized (the scale waits for the group's end). The per-group
 // totals live in memory, touched once a group, which leaves the registers to kR x kCols
 // accumulators.
-template <int64_t kR>
-inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* const rows[kCols],
-                           const float* const scales[kCols], int64_t in_features, int64_t group_size,
-                           float sums[kRows][kCols]) {
+template <int64_t kR, typename Rows>
+inline void int4_rows_tile(const float* x, int64_t x_stride, const Rows& rows, int64_t in_features,
+                           int64_t group_size, float sums[kRows][kCols]) {
   static_assert(kR >= 2 && kR <= kRows, "one row takes int4_row_tile");
   const __m512 nibble_values = nibble_table();
-  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kStep / 2);
+  const NextTilePrefetch next_tile = rows.next_tile(kStep);
   alignas(64) float totals[kR][kCols][kLanes] = {};
   for (int64_t g0 = 0; g0 < in_features; g0 += group_size) {
     __m512 acc[kR][kCols];
@@ -180,9 +239,8 @@ inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* cons
       for (int64_t j = 0; j < kCols; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = g0; k < g0 + group_size; k += kStep) {
       next_tile.step(k / kStep);
-      const int64_t at = k / 2;
       for (int64_t j = 0; j < kCols; ++j) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + at)));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows.bytes(j, k))));
         const __m512 low = low_nibbles(bytes, nibble_values), high = high_nibbles(bytes, nibble_values);
         for (int64_t i = 0; i < kR; ++i) {
           const float* xr = x + i * x_stride + k;
@@ -193,7 +251,7 @@ inline void int4_rows_tile(const float* x, int64_t x_stride, const uint8_t* cons
     }
     const int64_t g = g0 / group_size;
     for (int64_t j = 0; j < kCols; ++j) {
-      const __m512 scale = _mm512_set1_ps(scales[j][g]);
+      const __m512 scale = _mm512_set1_ps(rows.scale(j, g));
       for (int64_t i = 0; i < kR; ++i)
         _mm512_store_ps(totals[i][j], _mm512_fmadd_ps(acc[i][j], scale, _mm512_load_ps(totals[i][j])));
     }
@@ -258,16 +316,16 @@ inline NibbleRowX split_x_bf16(const float* x, int64_t in_features, int64_t grou
   return out;
 }
 
-// int4_row_tile's sums (sums[j] = sum over groups g of scales[j][g] * x_g . q_g) through bf16
+// int4_row_tile's sums (sums[j] = sum over groups g of scale(j, g) * x_g . q_jg) through bf16
 // dot products, x as split_x_bf16 gives it. Each row's even and odd nibbles accumulate apart,
 // each taking x's upper then residual part.
-inline void int4_row_tile_bf16(const NibbleRowX& x, const uint8_t* const rows[kCols],
-                               const float* const scales[kCols], int64_t in_features, int64_t group_size,
+template <typename Rows>
+inline void int4_row_tile_bf16(const NibbleRowX& x, const Rows& rows, int64_t in_features, int64_t group_size,
                                float sums[kCols]) {
   const __m512i nibble = _mm512_set1_epi16(0x0F), base = _mm512_set1_epi16(kBf16NibbleBase);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
-  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kNibbleRun / 2);
+  const NextTilePrefetch next_tile = rows.next_tile(kNibbleRun);
   auto load_x = [](const std::vector<uint16_t>& part, int64_t at) {
     return reinterpret_cast<__m512bh>(_mm512_loadu_si512(part.data() + at));
   };
@@ -278,9 +336,8 @@ inline void int4_row_tile_bf16(const NibbleRowX& x, const uint8_t* const rows[kC
       next_tile.step(k / kNibbleRun);
       const __m512bh upper_even = load_x(x.upper, k), upper_odd = load_x(x.upper, k + 32);
       const __m512bh residual_even = load_x(x.residual, k), residual_odd = load_x(x.residual, k + 32);
-      const int64_t at = k / 2;
       for (int64_t j = 0; j < kCols; ++j) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + at)));
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.bytes(j, k))));
         // (bytes & 0x0F) | 128.0 in one instruction (ternary truth table 0xEA: A & B | C).
         const __m512bh w_even = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(bytes, nibble, base, 0xEA));
         const __m512bh w_odd = reinterpret_cast<__m512bh>(_mm512_or_si512(_mm512_srli_epi16(bytes, 4), base));
@@ -292,7 +349,7 @@ inline void int4_row_tile_bf16(const NibbleRowX& x, const uint8_t* const rows[kC
     const __m512 offset_term = _mm512_set1_ps(x.offset_terms[g]);
     for (int64_t j = 0; j < kCols; ++j)
       sum[j] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_add_ps(even[j], odd[j]), offset_term),
-                               _mm512_set1_ps(scales[j][g]), sum[j]);
+                               _mm512_set1_ps(rows.scale(j, g)), sum[j]);
   }
   sum_each(sum, sums);
 }
@@ -362,14 +419,14 @@ inline NibbleRowParts split_x_int8(const float* x, int64_t in_features, int64_t 
   return out;
 }
 
-// int4_row_tile's sums (sums[j] = sum over groups g of scales[j][g] * x_g . q_g) through int8 dot
+// int4_row_tile's sums (sums[j] = sum over groups g of scale(j, g) * x_g . q_jg) through int8 dot
 // products, x as split_x_int8 gives it: each step, each row's upper and lower dots meet as
 // 256 * upper + lower and are scaled lane by lane by x's units times the weight's group scale.
-inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const rows[kCols],
-                               const float* const scales[kCols], int64_t in_features, int64_t group_size,
+template <typename Rows>
+inline void int4_row_tile_vnni(const NibbleRowParts& x, const Rows& rows, int64_t in_features, int64_t group_size,
                                float sums[kCols]) {
   const __m512i low_nibble = _mm512_set1_epi8(0x0F);
-  const NextTilePrefetch next_tile(rows[kCols - 1], in_features / 2, kVnniRun / 2, /*and_the_one_after=*/true);
+  const NextTilePrefetch next_tile = rows.next_tile(kVnniRun, /*and_the_one_after=*/true);
   __m512 sum[kCols];
   for (int64_t j = 0; j < kCols; ++j) sum[j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < in_features; k += kVnniRun) {
@@ -378,9 +435,9 @@ inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const row
     const __m512i upper_even = _mm512_loadu_si512(run), upper_odd = _mm512_loadu_si512(run + 64);
     const __m512i lower_even = _mm512_loadu_si512(run + 128), lower_odd = _mm512_loadu_si512(run + 192);
     const __m512 units = _mm512_loadu_ps(x.lane_units.data() + k / kVnniRun * kLanes);
-    const int64_t at = k / 2, g = k / group_size;
+    const int64_t g = k / group_size;
     for (int64_t j = 0; j < kCols; ++j) {
-      const __m512i bytes = _mm512_loadu_si512(rows[j] + at);
+      const __m512i bytes = _mm512_loadu_si512(rows.bytes(j, k));
       const __m512i even = _mm512_and_si512(bytes, low_nibble);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibble);
       const __m512i upper = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, upper_even), odd,
@@ -388,7 +445,7 @@ inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const row
       const __m512i lower = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), even, lower_even), odd,
                                                 lower_odd);
       sum[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(upper, 8), lower)),
-                               _mm512_mul_ps(units, _mm512_set1_ps(scales[j][g])), sum[j]);
+                               _mm512_mul_ps(units, _mm512_set1_ps(rows.scale(j, g))), sum[j]);
     }
   }
   sum_each(sum, sums);
@@ -400,7 +457,7 @@ inline void int4_row_tile_vnni(const NibbleRowParts& x, const uint8_t* const row
 inline void int8_row_tile(const float* x, const int8_t* const rows[kCols], int64_t in_features, float sums[kCols]) {
   __m512 low[kCols], high[kCols];
   for (int64_t j = 0; j < kCols; ++j) low[j] = high[j] = _mm512_setzero_ps();
-  const NextTilePrefetch next_tile(rows[kCols - 1], in_features, kStep);
+  const NextTilePrefetch next_tile(rows[kCols - 1] + in_features, kCols * kStep);
   for (int64_t k = 0; k < in_features; k += kStep) {
     const __m512 x_low = _mm512_loadu_ps(x + k), x_high = _mm512_loadu_ps(x + k + kLanes);
     next_tile.step(k / kStep);
