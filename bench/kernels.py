@@ -202,29 +202,31 @@ def bench_int4_columns(kernels, passes: int) -> None:
         inside = gather([form[0] for _, _, _, form in layers])
         layers = [(q, group, (beside[2 * n], beside[2 * n + 1]), (inside[n], q.scales))
                   for n, (q, group, _, _) in enumerate(layers)]
-        cells = []
-        for rows in (1, 2, 3, 4, 8, 32):
-            xs = {k: torch.randn(rows, k) for _, k in shapes}
-            outs = {n: torch.empty(rows, n) for n, _ in shapes}
-            def one_pass(form: int) -> float:
+        def run_layers(form: int, xs: dict, outs: dict) -> None:
+            for q, group, *forms in layers:
+                weight, scales = forms[form]
+                kernels.linear_int4_weights_int8_activations(xs[q.shape[1]], weight, scales, q.zeros, group,
+                                                             outs[q.shape[0]])
+        print(f"  [{model}, {num_layers} layers] " + _two_forms_by_rows(shapes, passes, run_layers))
+
+
+def _two_forms_by_rows(shapes: list[tuple[int, int]], passes: int, run_layers) -> str:
+    """"rows: first / second ms (second over first)" at 1, 2, 3, 4, 8 and 32 rows, each the median
+    pass of `run_layers(form, xs, outs)` (every layer once in form 0 or 1, x by in_features and out
+    by out_features), the two forms' passes alternating in order."""
+    cells = []
+    for rows in (1, 2, 3, 4, 8, 32):
+        xs = {k: torch.randn(rows, k) for _, k in shapes}
+        outs = {n: torch.empty(rows, n) for n, _ in shapes}
+        times: dict[int, list[float]] = {0: [], 1: []}
+        for i in range(passes):
+            for form in ((0, 1) if i % 2 == 0 else (1, 0)):
                 start = time.perf_counter()
-                for q, group, *forms in layers:
-                    weight, scales = forms[form]
-                    kernels.linear_int4_weights_int8_activations(xs[q.shape[1]], weight, scales, q.zeros, group,
-                                                                 outs[q.shape[0]])
-                return time.perf_counter() - start
-            beside, inside = _alternating_medians(one_pass, passes)
-            cells.append(f"{rows}: {beside * 1e3:.2f} / {inside * 1e3:.2f} ms ({inside / beside:.2f}x)")
-        print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
-
-
-def _alternating_medians(one_pass, passes: int) -> tuple[float, float]:
-    """The median seconds of `one_pass(0)` and of `one_pass(1)`, their runs alternating in order."""
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for i in range(passes):
-        for form in ((0, 1) if i % 2 == 0 else (1, 0)):
-            times[form].append(one_pass(form))
-    return statistics.median(times[0]), statistics.median(times[1])
+                run_layers(form, xs, outs)
+                times[form].append(time.perf_counter() - start)
+        first, second = statistics.median(times[0]), statistics.median(times[1])
+        cells.append(f"{rows}: {first * 1e3:.2f} / {second * 1e3:.2f} ms ({second / first:.2f}x)")
+    return "  ".join(cells)
 
 
 def bench_int4_tiles(kernels, passes: int) -> None:
@@ -247,19 +249,11 @@ def bench_int4_tiles(kernels, passes: int) -> None:
                        for q, group in projections])
         layers = [(group, row_major[3 * n + 1], row_major[3 * n + 2], row_major[3 * n], held[n])
                   for n, (_, group) in enumerate(projections)]
-        cells = []
-        for rows in (1, 2, 3, 4, 8, 32):
-            xs = {k: torch.randn(rows, k) for _, k in shapes}
-            outs = {n: torch.empty(rows, n) for n, _ in shapes}
-            def one_pass(form: int) -> float:
-                start = time.perf_counter()
-                for group, scales, zeros, *weights in layers:
-                    n, k = scales.shape[0], scales.shape[1] * group
-                    kernels.linear_small_batch_int4(xs[k], weights[form], scales, zeros, group, outs[n])
-                return time.perf_counter() - start
-            plain, tiles = _alternating_medians(one_pass, passes)
-            cells.append(f"{rows}: {plain * 1e3:.2f} / {tiles * 1e3:.2f} ms ({tiles / plain:.2f}x)")
-        print(f"  [{model}, {num_layers} layers] " + "  ".join(cells))
+        def run_layers(form: int, xs: dict, outs: dict) -> None:
+            for group, scales, zeros, *weights in layers:
+                n, k = scales.shape[0], scales.shape[1] * group
+                kernels.linear_small_batch_int4(xs[k], weights[form], scales, zeros, group, outs[n])
+        print(f"  [{model}, {num_layers} layers] " + _two_forms_by_rows(shapes, passes, run_layers))
 
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 4, 64  # bench-small's attention
