@@ -53,6 +53,13 @@ def test_the_kernels_take_tiles_only_for_groups_of_128():
     kernels = cpu_kernels.load()
     assert not kernels.int4_weight_tiles_supported(256, 64)
     assert not kernels.int4_weight_tiles_supported(256, 256)
+    assert not kernels.int4_weight_tiles_supported(192, 128)  # K not whole groups
+
+
+@needs_tiles
+def test_avx512_kernels_take_tiles_for_groups_of_128():
+    assert cpu_kernels.load().int4_weight_tiles_supported(256, 128)
+    assert int4_weight_tiles.supported(5632, 128)
 
 
 @needs_tiles
@@ -117,6 +124,33 @@ def test_a_layer_holds_its_tiles_saves_row_major_and_loads_back():
     assert torch.equal(shell(x), plain(x))
 
 
+@needs_tiles
+def test_held_tiles_in_the_arena_save_and_load_back(tmp_path):
+    """Gathered into one arena as an engine holds them: the arena takes the tiles only, a
+    checkpoint written from them is row-major, and loading it re-holds the same tiles."""
+    from safetensors.torch import load_file, save_file
+    from worker.model.step_weights import gather_step_weights
+    g = torch.Generator().manual_seed(5)
+    layers = [QuantizedLinear(quantize(torch.randn(n, 256, generator=g), 4, group_size=128), path="ours")
+              for n in (24, 13)]
+    x = torch.randn(2, 256, generator=g)
+    want = [layer(x) for layer in layers]
+    for layer in layers:
+        layer.hold_weight_panels()
+    gather_step_weights(layers)
+    tiles = [layer.kernel_weight() for layer in layers]
+    assert len({t.untyped_storage().data_ptr() for t in tiles}) == 1
+    assert all(layer.scales.untyped_storage().data_ptr() != tiles[0].untyped_storage().data_ptr() for layer in layers)
+    model = torch.nn.Sequential(*layers)
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert saved["0.qweight"].shape == (24, 128)
+    model.load_state_dict(saved)
+    for layer, before, expected in zip(layers, tiles, want):
+        assert layer.held_panels == "weight" and torch.equal(layer.kernel_weight(), before)
+        assert torch.equal(layer(x), expected)
+
+
 def test_a_layer_with_other_groups_stays_row_major():
     layer = QuantizedLinear(quantize(torch.randn(16, 256), 4, group_size=64), path="ours")
     layer.hold_weight_panels()
@@ -142,5 +176,5 @@ def test_an_engine_on_held_tiles_generates_what_it_does_on_row_major_weights(tmp
     tokens, held = generate()
     monkeypatch.setattr(int4_weight_tiles, "supported", lambda in_features, group_size: False)
     row_major_tokens, none_held = generate()
-    assert held > 0 and none_held == 0
+    assert held == 4 * 2 + 1 and none_held == 0  # 2 layers' qkv, o, gate_up and down, and the head
     assert tokens == row_major_tokens

@@ -1,6 +1,7 @@
 """One allocation for what a decode step streams (worker/model/weight_arena.py): the copies are
 equal, aligned views of one storage; int8-activation layers hold their panels, scales and zeros
-there, and weight-only layers their qweight, scales and zeros; both compute what they computed
+there, and weight-only layers their weight (INT4's held tiles, with the scales and zeros inside,
+where this host's kernels take them), scales and zeros; both compute what they computed
 and still save tensors of their own."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.model import cpu_kernels, weight_arena
+from worker.model import cpu_kernels, int4_weight_tiles, weight_arena
 from worker.model.quantization import QuantizedLinear
 from worker.model.quantized_weight import quantize
 from worker.model.step_weights import gather_step_weights, use_int8_activations
@@ -110,5 +111,7 @@ def test_a_cpu_engine_holds_its_weight_only_layers_in_one_arena(tmp_path, load_m
         assert all(m.in_arena for m in layers)
         # What each step reads (INT4 held tiles where this host's kernels take them, else row-major).
         assert len({m.kernel_weight().untyped_storage().data_ptr() for m in layers}) == 1
+        if int4_weight_tiles.supported(128, 128):
+            assert all(m.held_panels == "weight" and m.kernel_weight().dim() == 4 for m in layers)
     else:
         assert not any(m.in_arena for m in layers)

@@ -564,7 +564,7 @@ void int4_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int64_t o
 
 // Whether `weight` has the shape of held INT4 tiles: [tiles, groups, 8 rows + 1 of columns, 64].
 bool held_int4_tiles(const at::Tensor& weight) {
-  return weight.dim() == 4 && weight.size(2) == kHeldTileLines && weight.size(3) == 64;
+  return weight.dtype() == at::kByte && weight.dim() == 4 && weight.size(2) == kHeldTileLines && weight.size(3) == 64;
 }
 
 bool int4_weight_tiles_supported(int64_t in_features, int64_t group_size) {
@@ -579,8 +579,8 @@ bool int4_weight_tiles_supported(int64_t in_features, int64_t group_size) {
 // x [M, K] float32 -> out [M, N] by an INT4 weight with groups of G features: qweight [N, K/2]
 // uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one) with scales and zeros
 // [N, K/G] float32, or held tiles [ceil(N / 8), K / 128, 9, 64] uint8 (Int4HeldTile, where
-// int4_weight_tiles_supported: the scales and zeros inside them; `scales` and `zeros` are then
-// only checked against them).
+// int4_weight_tiles_supported: the scales and zeros inside them; `scales` and `zeros` then only
+// give their sizes, and `out` the number of outputs).
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
                              int64_t group_size, at::Tensor out) {
   const int64_t in_features = x.size(1);
