@@ -604,11 +604,12 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
                 wide::kCols + 1, ", 64] for out [M, N]");
     const uint8_t* tiles = qweight.data_ptr<uint8_t>();
     const int64_t tile_bytes = num_groups * wide::kHeldGroupBytes;
+    auto tile_of = [=](int64_t n0) { return tiles + n0 / wide::kCols * tile_bytes; };  // the tile of output n0
     if (rows > int4_byte_fill_from_rows(group_size))
       return int4_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-                                 [=](int64_t n0) { return HeldPanelRows{tiles + n0 / wide::kCols * tile_bytes, tile_bytes}; });
+                                 [=](int64_t n0) { return HeldPanelRows{tile_of(n0), tile_bytes}; });
     return int4_tiles(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-                      [=](int64_t n0) { return wide::Int4HeldTile{tiles + n0 / wide::kCols * tile_bytes, tile_bytes}; });
+                      [=](int64_t n0) { return wide::Int4HeldTile{tile_of(n0), tile_bytes}; });
 #else
     TORCH_CHECK(false, "held INT4 tiles need this build's AVX-512 kernels (int4_weight_tiles_supported)");
 #endif
