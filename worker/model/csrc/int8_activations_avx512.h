@@ -31,6 +31,9 @@ constexpr int64_t kRowTile = 4;  // rows of x per register tile (4 x 2 panels of
 // keep INT8's, twice the bytes per instruction, at it, where asking too costs more than it
 // gains; so does asking further ahead). docs/benchmarks.md has the measurements.
 constexpr int64_t kInt4PrefetchBytes = 2048;
+// A pass of one or two rows also asks for the weights this far ahead into L2, as a held
+// weight-only INT4 tile does: the T0 requests alone leave the stream waiting on DRAM.
+constexpr int64_t kInt4FarPrefetchBytes = 16384;
 static_assert(kPanelOutputs == 2 * kColumnRows, "a panel's scales are two runs of the group columns");
 
 // What the kernel reads of x: per row, the weights' slots in order, 64 bytes of xq each (a group's
@@ -122,8 +125,11 @@ inline void rows_by_panels(const BlockActivations& a, const WeightPanels& panels
     if constexpr (!kInt8)  // once per unit; the row tiles after the first find the panels in L2
       if ((kFew || (inside && m0 == 0)) && slot0 % 2 == 0)
         for (int p = 0; p < P; ++p)
-          for (int64_t line = 0; line < unit_stream_bytes; line += 64)
+          for (int64_t line = 0; line < unit_stream_bytes; line += 64) {
             _mm_prefetch(reinterpret_cast<const char*>(unit[p]) + kInt4PrefetchBytes + line, _MM_HINT_T0);
+            if (kFew)
+              _mm_prefetch(reinterpret_cast<const char*>(unit[p]) + kInt4FarPrefetchBytes + line, _MM_HINT_T1);
+          }
     for (int half0 = 0; half0 < 2; half0 += H) {
       __m512i acc[S][H][R][P];
       for (int s = 0; s < S; ++s)
