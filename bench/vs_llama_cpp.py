@@ -1,4 +1,4 @@
-"""`python -m bench.vs_llama_cpp [--model bench-small|tinyllama-shape] [--rounds 2] [--quick]`: our
+"""`python -m bench.vs_llama_cpp [--model bench-small|tinyllama-shape] [--rounds 3] [--quick]`: our
 engine against llama.cpp on the same random weights, side by side in one run.
 
 For each weight format (our float32, bfloat16, INT8 and INT4, the output head quantized too, the
@@ -6,7 +6,8 @@ quantized ones also with int8 activations, against llama.cpp's f32, bf16, q8_0 a
 same checkpoint): the single-stream decode rate (ours:
 (t(n+1) - t(1)) / n; theirs: `llama-bench` tg<n>) and the batched generation rate (N sequences of
 P prompt + G new tokens; theirs: `llama-batched-bench`), each format's runs alternating ours and
-theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds.
+theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds
+(three by default: the median of two is their mean, which one slow round of either side drags).
 Also: the memory-bandwidth bounds of each single-stream rate (the weight bytes a step reads over
 the copy bandwidth, read + written, and over the read-only bandwidth, both probed just before each
 run, so a host whose memory rate drifts within the run bounds each run by its own moment), the compute bound of the batched run (its FLOPs over the host's
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_llama_cpp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SETTINGS), default="bench-small")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement within a round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-batched", action="store_true", help="single stream only")
