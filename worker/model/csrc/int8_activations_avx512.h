@@ -29,10 +29,10 @@ constexpr int64_t kRowTile = 4;  // rows of x per register tile (4 x 2 panels of
 // How far ahead in its panel a pass of one or two rows asks for INT4 weights: the hardware
 // prefetchers alone leave a single row's INT4 stream well short of the copy bandwidth (they
 // keep INT8's, twice the bytes per instruction, at it, where asking too costs more than it
-// gains; so does asking further ahead). docs/benchmarks.md has the measurements.
+// gains; so does asking further ahead into L1). docs/benchmarks.md has the measurements.
 constexpr int64_t kInt4PrefetchBytes = 2048;
-// A pass of one or two rows also asks for the weights this far ahead into L2, as a held
-// weight-only INT4 tile does: the T0 requests alone leave the stream waiting on DRAM.
+// And how far ahead it asks for them into L2, as a held weight-only INT4 tile does: the L1
+// requests alone leave the stream waiting on DRAM.
 constexpr int64_t kInt4FarPrefetchBytes = 16384;
 static_assert(kPanelOutputs == 2 * kColumnRows, "a panel's scales are two runs of the group columns");
 
