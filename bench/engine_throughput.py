@@ -179,7 +179,7 @@ def main(argv=None) -> int:
             timed=partial(foreign_load, load, "hf_continuous_batching")), errors, load, args.retries)
         if cb is not None and cb.error:
             log(f"(b) failed: {cb.error}")
-    del hf_model
+    hf_model = None
     gc.collect()
 
     # ---- our engine ----

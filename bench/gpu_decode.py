@@ -136,7 +136,7 @@ def measure_ours(model_dir: Path, device: torch.device, dtype: str, decode_token
             engine.evict_prefix_cache()
             record["profile"] = _profile(device, lambda: engine.generate(
                 prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False))
-    del engine
+    engine = None
     _release(device)
     return record
 
@@ -155,7 +155,7 @@ def measure_transformers(model_dir: Path, device: torch.device, dtype: str, deco
         with torch.inference_mode():
             _generate_static(model, [Request(r.prompt_token_ids, 4) for r in requests[:2]])  # warm-up
             record["batched_tok_s"] = _tokens_per_s(device, lambda: _generate_static(model, requests))
-    del model
+    model = None
     _release(device)
     return record
 

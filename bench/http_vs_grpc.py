@@ -200,7 +200,6 @@ def fake_phase(args, plan, model_dir, vocab, ctx, specs) -> dict:
                                             "--trace", str(trace_path)])
     log(f"(a) starting a cluster with a fake worker (step {args.step_ms:g} ms)")
     cluster.start(ready_timeout_s=60)
-    prefixes: dict[int, str] = {}
     try:
         url = f"http://127.0.0.1:{cluster.http_port}"
         sides = {"gRPC": (grpc_side(cluster), cluster.cpu_seconds, "gateway"),

@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.admission import Admission, Refusal, choice_params
 from gateway.http_auth import ApiKeyCheck, principal_of
 from gateway.http_errors import ApiError, http_error, internal_error, validation_error
-from gateway.openai_requests import HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
-from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, sse_error
+from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
+from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from gateway.request_log import refuse_request

@@ -221,7 +221,7 @@ class FunctionCall(BaseModel):
     arguments: str  # JSON text, as OpenAI's
 
 
-class ToolCall(BaseModel):
+class MessageToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -230,7 +230,7 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

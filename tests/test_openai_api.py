@@ -343,6 +343,37 @@ def test_timeout_ends_a_request_504_and_frees_its_blocks(client, cluster):
     wait_all_free(cluster, timeout_s=5)
 
 
+def test_a_deadline_after_the_stream_started_ends_it_with_an_error_event(base_url, client, cluster):
+    """Once the first chunk is out the status is 200, so a later failure is the stream's last event:
+    OpenAI's error body, no [DONE], and the `openai` client raises it."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG_MAX_TOKENS, "stream": True, "ignore_eos": True}
+    lines: list[str] = []
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        # The shortest deadline that still lets the first tokens out on this machine: a longer one
+        # only when the previous ended before the stream began (a plain 504).
+        for timeout_s in (0.5, 1.0, 2.0, 4.0):
+            with http.stream("POST", "/v1/completions", json={**body, "timeout": timeout_s}) as response:
+                if response.status_code == 504:
+                    continue
+                assert response.status_code == 200
+                lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+                break
+    assert len(lines) > 1, "every deadline ended the request before its stream began"
+    assert "data: [DONE]" not in lines
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert set(last) == {"error"}
+    assert last["error"]["code"] == "deadline_exceeded" and "deadline" in last["error"]["message"]
+    assert last["error"]["type"] == "timeout"
+    assert all("choices" in json.loads(line.removeprefix("data: ")) for line in lines[:-1])
+
+    with pytest.raises(openai.APIError) as e:
+        for _ in client.completions.create(model=MODEL, prompt="Hello", max_tokens=LONG_MAX_TOKENS, stream=True,
+                                           extra_body={"ignore_eos": True, "timeout": timeout_s}):
+            pass
+    assert "deadline" in str(e.value)
+    wait_all_free(cluster, timeout_s=5)
+
+
 def test_grpc_logprobs_match_http(client, cluster, tokenizer):
     ids = tokenizer.encode("Hello")
     from protos import inference_pb2

@@ -182,7 +182,7 @@ def test_rejected_drafts_give_their_blocks_back():
 def test_a_draft_never_preempts_and_stays_within_the_budget():
     # 3 blocks of 4: the decode fits, a long draft does not; the request decodes one token instead.
     s = scheduler(num_blocks=3, block_size=4)
-    r = add(s, "r", [4, 5, 6, 4, 5, 6, 4], k=8, max_tokens=5)
+    add(s, "r", [4, 5, 6, 4, 5, 6, 4], k=8, max_tokens=5)
     play(s, cycle(3))
     update = play(s, cycle(3))["r"]
     assert s.num_preemptions == 0 and update.num_draft_tokens <= 3
