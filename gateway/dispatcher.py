@@ -8,7 +8,8 @@ report it to the prefix index), and never exceed what that worker said it can ta
 window's requests may split across workers. A worker that dies (silent heartbeats, or a new
 incarnation) has its requests requeued at the front and resumed elsewhere from the tokens
 already streamed; with no live worker left they wait up to `gateway.resume_grace_s` (never past
-their deadlines) for one to come back, then end UNAVAILABLE.
+their deadlines) for one to come back, then end UNAVAILABLE, at once while the gateway drains
+(the whole cluster stopping: no worker is coming back to this gateway).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class Dispatcher:
         self.model_check = ModelCheck(config.model_dir)
         self.requests = RequestTable()  # every request not yet finished, by internal id
         self._no_live_worker_since_s: float | None = time.monotonic()
+        self._draining = False
         self.socket: GatewaySocket | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -113,6 +115,11 @@ class Dispatcher:
         """Abort the live request that the client (API key `owner`) calls `request_id`, if there is one."""
         state = self.requests.by_client(request_id, owner)
         return state is not None and self.cancel(state.internal_id)
+
+    def begin_drain(self) -> None:
+        """The gateway is stopping: from now on, requests left with no live worker fail at once."""
+        self._draining = True
+        self._check_liveness(time.monotonic())
 
     def has_live_worker(self) -> bool:
         return bool(self.registry.live(time.monotonic()))
@@ -354,7 +361,8 @@ class Dispatcher:
                 self._no_live_worker_since_s = now
             # A worker restarting (supervised) is often back within the grace; deadlines still
             # apply meanwhile (`_expire`).
-            if len(self.queue) and now - self._no_live_worker_since_s >= self.config.gateway.resume_grace_s:
+            if len(self.queue) and (self._draining or
+                                    now - self._no_live_worker_since_s >= self.config.gateway.resume_grace_s):
                 self._fail_all_queued(now)
         status = {w.worker_id: (self.registry.is_alive(w, now), self.registry.is_ready(w, now))
                   for w in self.registry.workers.values()}
@@ -365,12 +373,12 @@ class Dispatcher:
             self._on_workers_changed()
 
     def _fail_all_queued(self, now: float) -> None:
-        grace = self.config.gateway.resume_grace_s
+        why = ("the gateway is draining" if self._draining else
+               f"none came back within gateway.resume_grace_s = {self.config.gateway.resume_grace_s:g} s")
         for item in self.queue.pop_expired(math.inf):
             self.requests.pop(item.request_id)
-            item.payload.fail(grpc.StatusCode.UNAVAILABLE, f"no live worker is left to serve this request "
-                                                           f"(none came back within gateway.resume_grace_s = "
-                                                           f"{grace:g} s)", now)
+            item.payload.fail(grpc.StatusCode.UNAVAILABLE, f"no live worker is left to serve this request ({why})",
+                              now)
 
     async def probe(self, worker_id: str, deep: bool, memory_report: bool, timeout_s: float
                     ) -> worker_pb2.ProbeReply:

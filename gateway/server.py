@@ -294,6 +294,7 @@ class Gateway:
         log.info("draining: refusing new requests; %d streams in flight, grace %.0f s", self.admission.num_streams,
                  grace)
         self.admission.draining = True
+        self.dispatcher.begin_drain()
         await self._update_health()
         try:
             await asyncio.wait_for(self.admission.streams_idle.wait(), grace)

@@ -124,7 +124,8 @@ def test_sigterm_drains_the_gateway(served_checkpoint):
 def test_honcho_start_keeps_the_cluster_up_when_a_model_process_or_the_gateway_dies(served_checkpoint):
     """The repository's own Procfile under `honcho start`, with only the interpreter and the config
     swapped for the test's: a kill -9 of a model process or of the gateway process stops nothing,
-    and SIGTERM to honcho stops every entry with status 0 and leaves no process behind."""
+    and SIGTERM to honcho, with a stream in flight, ends that stream UNAVAILABLE, stops every entry
+    with status 0 and leaves no process behind."""
     cluster = Cluster(served_checkpoint, num_workers=2)  # used for its config, channel and helpers only
     config = cluster.config_path
     procfile = cluster.run_dir / "Procfile"
@@ -159,8 +160,21 @@ def test_honcho_start_keeps_the_cluster_up_when_a_model_process_or_the_gateway_d
         assert cluster.gateway_pids() not in ([], [gateway])
         assert {w: cluster.model_pids(w) for w in models} == models, "a worker reloaded its model"
         assert generate(cluster.stub, prompt="still up", sampling=dict(max_tokens=3))[0]
-        # Stopping honcho stops everything: each supervisor drains its process and exits 0.
+        # Stopping honcho stops everything: each supervisor drains its process and exits 0. A stream
+        # in flight ends UNAVAILABLE once its worker has stopped, well inside honcho's 5 s before
+        # SIGKILL (its worker is not coming back to a draining gateway).
+        results: dict = {}
+        threads = run_streams(cluster, {"in flight": dict(prompt_token_ids=[5, 6], sampling=dict(
+            max_tokens=LONG_MAX_TOKENS, ignore_eos=True))}, results)
+        deadline = time.monotonic() + 30
+        while sum(w.num_running for w in cluster.status().workers) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         honcho.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        got = results["in flight"]
+        assert isinstance(got, grpc.RpcError) and got.code() == grpc.StatusCode.UNAVAILABLE, got
+        assert "draining" in got.details()
         honcho.wait(timeout=30)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and (cluster.model_pids("worker-0") or cluster.model_pids("worker-1")
