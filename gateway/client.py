@@ -25,6 +25,24 @@ from gateway.gateway_pool import GatewayPool, parse_addresses
 from protos import inference_pb2
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in inference_pb2.FinishReason.items()}
+INT32 = (-2**31, 2**31 - 1)
+UINT32 = (0, 2**32 - 1)
+UINT64 = (0, 2**64 - 1)
+
+
+def wire_int(bounds: tuple[int, int]) -> Callable[[str], int]:
+    """An argparse type for an integer flag that fills a proto field of these bounds: a value the
+    field cannot hold is a usage error naming the flag, not a traceback from protobuf. What the
+    server accepts within them (e.g. --logprobs up to 20) is the server's to say."""
+    low, high = bounds
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside the field's range [{low}, {high}]")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in "invalid integer value: ..."
+    return parse
 
 
 def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
@@ -213,23 +231,23 @@ def main(argv: list[str] | None = None) -> int:
         return probe(parser.parse_args(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m gateway.client", parents=[common], description=__doc__)
     parser.add_argument("prompt")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=wire_int(INT32), default=64)
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-k", type=wire_int(INT32), default=None)
     parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--speculative-ngram-k", type=int, default=None, metavar="K",
+    parser.add_argument("--seed", type=wire_int(UINT64), default=None)
+    parser.add_argument("--speculative-ngram-k", type=wire_int(UINT32), default=None, metavar="K",
                         help="draft up to K tokens a step by prompt lookup (0: off; default: the server's)")
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--priority", type=int, default=0, help="lower is served first")
+    parser.add_argument("--priority", type=wire_int(INT32), default=0, help="lower is served first")
     parser.add_argument("--request-id", default=None)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--system", default=None, help="a system message (with --chat)")
-    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
-                        help="print each token's log-probability and its N (0-5) most likely alternatives")
+    parser.add_argument("--logprobs", type=wire_int(UINT32), default=None, metavar="N",
+                        help="print each token's log-probability and its N (0-20) most likely alternatives")
     parser.add_argument("--session", "--session-id", dest="session", default=None,
                         help="a session id: its requests go to one gateway and one worker")
     parser.add_argument("--json-schema", default=None, metavar="JSON", help="constrain the output to this JSON Schema")

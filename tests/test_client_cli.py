@@ -40,3 +40,22 @@ def test_a_prompt_is_never_taken_for_a_subcommand(calls, argv):
     assert client.main(argv) == 0
     [(name, args)] = calls
     assert name == "generate" and args.prompt in ("status report", "status")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--seed", "-1"), ("--logprobs", "-1"), ("--priority", "99999999999"), ("--max-tokens", "3000000000"),
+    ("--top-k", "3000000000"), ("--speculative-ngram-k", "-1"),
+])
+def test_a_value_its_proto_field_cannot_hold_is_a_usage_error_naming_the_flag(calls, capsys, flag, value):
+    with pytest.raises(SystemExit) as e:
+        client.main(["hi", flag, value])
+    assert e.value.code == 2 and not calls
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value} is outside" in err and "Traceback" not in err
+
+
+def test_values_at_the_fields_bounds_build_a_request(calls):
+    assert client.main(["hi", "--seed", str(2**64 - 1), "--priority", str(-2**31), "--logprobs", "20"]) == 0
+    [(name, args)] = calls
+    request = client.build_request(args)
+    assert (request.sampling.seed, request.priority, request.sampling.logprobs) == (2**64 - 1, -2**31, 20)
