@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import uuid
 from pathlib import Path
@@ -46,6 +47,8 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 5
 # Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
 _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
+_GRPC_CONSTRAINT = re.compile(r"^structured_output\.[a-z_]+")
 # The response headers a browser page may read (CORS): ours, and the 429's retry hint.
 EXPOSED_HEADERS = ["x-request-id", "x-worker-id", "x-queue-ms", "x-ttft-ms", "x-total-ms", "retry-after",
                    "x-should-retry"]
@@ -202,7 +205,10 @@ class OpenAiApi:
             await _until_disconnect(http, prepare_all(), lambda: None)
         except Refusal as e:
             self.admission.release_unqueued(prepared)
-            raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
+            message = e.message
+            if presentation.constraint_field:
+                message = _GRPC_CONSTRAINT.sub(presentation.constraint_field, message, count=1)
+            raise ApiError.from_code(e.code, message, e.retry_after_ms, logged=True) from None
         except BaseException:  # the client went away, or the handler was cancelled
             self.admission.release_unqueued(prepared)
             raise

@@ -73,15 +73,24 @@ def validation_error(e: RequestValidationError) -> ApiError:
         message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
     elif first.get("type") == "extra_forbidden":
         message = f"unrecognized request argument: {param}"
+    elif first.get("type") == "missing" and not param:
+        message = "the request has no body: send a JSON object"
     elif first.get("type") == "missing":
         message = f"missing required argument: {param}"
+    elif first.get("type") in ("dict_type", "model_attributes_type") and not param:
+        message = f"the body must be a JSON object (with content-type: application/json): {first['msg']}"
     else:
         message = f"{param or 'body'}: {first['msg']}"
     return ApiError(400, message, param or None, first.get("type"))
 
 
+# The codes of the HTTP layer's own refusals, as gateway/http_server.py writes them itself before
+# the app runs (a body too large by its Content-Length); the same refusal found mid-read comes here.
+_HTTP_CODES = {413: "body_too_large"}
+
+
 def http_error(e: StarletteHTTPException) -> ApiError:
-    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {}))
+    return ApiError(e.status_code, str(e.detail), code=_HTTP_CODES.get(e.status_code), headers=dict(e.headers or {}))
 
 
 async def internal_error(_: Request, e: Exception) -> JSONResponse:

@@ -53,6 +53,9 @@ class Presentation:
     logprobs: int | None  # alternatives per token when log-probabilities were asked for
     return_token_ids: bool
     tool_calls: bool = False  # the output is a JSON list of calls, answered as message.tool_calls
+    # The body field a constraint came from, which a refusal of it names (admission's messages
+    # name the gRPC field, `structured_output.<kind>`).
+    constraint_field: str = ""
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
@@ -115,7 +118,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
             tool_calls_json=json.dumps([c.model_dump() for c in message.tool_calls]) if message.tool_calls else "")
     presentation = _presentation(body, False, logprobs, limits)
     if tool_calls is not None:
-        presentation = dataclasses.replace(presentation, tool_calls=True)
+        presentation = dataclasses.replace(presentation, tool_calls=True, constraint_field="tools")
     return request, presentation
 
 
@@ -214,6 +217,10 @@ def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise BadRequest("prompt is an empty list; give a string, a list of strings or token ids", "prompt")
+    if len(prompts) > 1:
+        for i, one in enumerate(prompts):
+            if not one:
+                raise BadRequest(f"prompt[{i}] is empty; every prompt of a list needs text or token ids", "prompt")
     if len(prompts) > limits.max_prompts:
         raise BadRequest(f"{len(prompts)} prompts in one request; the gateway takes at most {limits.max_prompts} "
                          f"(gateway.max_prompts)", "prompt")
@@ -290,4 +297,17 @@ def _presentation(body: _Sampling, echo: bool, logprobs: int | None, limits: Gat
         raise BadRequest("stream_options needs stream: true", "stream_options")
     return Presentation(n=body.n, stream=body.stream,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage), echo=echo,
-                        logprobs=logprobs, return_token_ids=body.return_token_ids)
+                        logprobs=logprobs, return_token_ids=body.return_token_ids,
+                        constraint_field=_constraint_field(body))
+
+
+def _constraint_field(body: _Constrained) -> str:
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.type == "json_schema":
+        return "response_format.json_schema.schema"
+    if fmt is not None and fmt.type == "json_object":
+        return "response_format"
+    for name, field in (("json_", "json"), ("regex", "regex"), ("grammar", "grammar"), ("choice", "choice")):
+        if so is not None and getattr(so, name) is not None:
+            return f"structured_outputs.{field}"
+    return ""

@@ -14,6 +14,10 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
+
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # what OpenAI accepts as a tool's name
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
@@ -120,7 +124,7 @@ class ChatMessage(_Request):
 
 
 class FunctionDefinition(_Request):
-    name: str
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN, description="letters, digits, _ and -, 1-64 of them (OpenAI's rule)")
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None

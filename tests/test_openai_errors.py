@@ -94,6 +94,14 @@ BAD_BODIES = [
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("/v1/chat/completions", chat(max_tokens=4, max_completion_tokens=4), 400, "max_completion_tokens"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": ""}}]), 400, "function.name"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), 400,
+     "function.name"),
+    ("/v1/completions", completion(prompt=["a", ""]), 400, "prompt[1]"),
+    # A constraint admission refuses is named by the body field it came from, not the gRPC one.
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}), 400, "response_format.json_schema.schema cannot"),
+    ("/v1/completions", completion(structured_outputs={"regex": "(unclosed"}), 400, "structured_outputs.regex cannot"),
 ]
 
 
@@ -111,6 +119,12 @@ def test_bad_input_gets_its_status_and_an_openai_error_body(http, path, body, st
 def test_malformed_json_and_unknown_routes(http):
     r = http.post("/v1/completions", content=b'{"model": "llama", "prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "no body" in r.json()["error"]["message"], r.text
+    # A JSON body sent as a form (curl -d without a content-type) is not taken for JSON.
+    r = http.post("/v1/completions", content=json.dumps(completion()).encode(),
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "content-type: application/json" in r.json()["error"]["message"], r.text
     r = http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert r.status_code == 404 and set(r.json()["error"]) == ERROR_KEYS
     r = http.get("/v1/completions")
@@ -131,8 +145,10 @@ def test_body_over_the_bound_is_413_by_length_and_when_chunked(http):
         for i in range(0, len(payload), 4096):
             yield payload[i:i + 4096]
 
+    assert r.json()["error"]["code"] == "body_too_large"
     r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and set(r.json()["error"]) == ERROR_KEYS
+    assert r.json()["error"]["code"] == "body_too_large" and "max_body_bytes" in r.json()["error"]["message"]
     assert http.post("/v1/completions", json=completion()).status_code == 200
 
 
