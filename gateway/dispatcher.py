@@ -8,8 +8,8 @@ report it to the prefix index), and never exceed what that worker said it can ta
 window's requests may split across workers. A worker that dies (silent heartbeats, or a new
 incarnation) has its requests requeued at the front and resumed elsewhere from the tokens
 already streamed; with no live worker left they wait up to `gateway.resume_grace_s` (never past
-their deadlines) for one to come back, then end UNAVAILABLE, at once while the gateway drains
-(the whole cluster stopping: no worker is coming back to this gateway).
+their deadlines) for one to come back, then end UNAVAILABLE; at once when the gateway drains
+and every worker left stopping (the whole cluster shutting down: none is coming back).
 """
 from __future__ import annotations
 
@@ -117,9 +117,15 @@ class Dispatcher:
         return state is not None and self.cancel(state.internal_id)
 
     def begin_drain(self) -> None:
-        """The gateway is stopping: from now on, requests left with no live worker fail at once."""
+        """The gateway is stopping: once every worker has left stopping too, requests left with no
+        live worker fail at once rather than wait out the resume grace."""
         self._draining = True
         self._check_liveness(time.monotonic())
+
+    def _all_workers_stopped(self) -> bool:
+        """The gateway drains and no worker is coming back: each one gone said it was stopping. A
+        worker that crashed meanwhile is restarted by its supervisor, so it keeps the grace."""
+        return self._draining and all(w.stopping for w in self.registry.workers.values())
 
     def has_live_worker(self) -> bool:
         return bool(self.registry.live(time.monotonic()))
@@ -361,7 +367,7 @@ class Dispatcher:
                 self._no_live_worker_since_s = now
             # A worker restarting (supervised) is often back within the grace; deadlines still
             # apply meanwhile (`_expire`).
-            if len(self.queue) and (self._draining or
+            if len(self.queue) and (self._all_workers_stopped() or
                                     now - self._no_live_worker_since_s >= self.config.gateway.resume_grace_s):
                 self._fail_all_queued(now)
         status = {w.worker_id: (self.registry.is_alive(w, now), self.registry.is_ready(w, now))
@@ -373,7 +379,7 @@ class Dispatcher:
             self._on_workers_changed()
 
     def _fail_all_queued(self, now: float) -> None:
-        why = ("the gateway is draining" if self._draining else
+        why = ("the gateway is draining and every worker stopped" if self._all_workers_stopped() else
                f"none came back within gateway.resume_grace_s = {self.config.gateway.resume_grace_s:g} s")
         for item in self.queue.pop_expired(math.inf):
             self.requests.pop(item.request_id)

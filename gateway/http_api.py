@@ -48,7 +48,7 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 5
 _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 # How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
-_GRPC_CONSTRAINT = re.compile(r"^structured_output\.[a-z_]+")
+_GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
 # The response headers a browser page may read (CORS): ours, and the 429's retry hint.
 EXPOSED_HEADERS = ["x-request-id", "x-worker-id", "x-queue-ms", "x-ttft-ms", "x-total-ms", "retry-after",
                    "x-should-retry"]

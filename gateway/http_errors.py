@@ -77,7 +77,7 @@ def validation_error(e: RequestValidationError) -> ApiError:
         message = "the request has no body: send a JSON object"
     elif first.get("type") == "missing":
         message = f"missing required argument: {param}"
-    elif first.get("type") in ("dict_type", "model_attributes_type") and not param:
+    elif first.get("type") in ("dict_type", "model_attributes_type") and isinstance(first.get("input"), bytes):
         message = f"the body must be a JSON object (with content-type: application/json): {first['msg']}"
     else:
         message = f"{param or 'body'}: {first['msg']}"

@@ -13,8 +13,6 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-
-
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # what OpenAI accepts as a tool's name
 
 

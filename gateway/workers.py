@@ -29,6 +29,9 @@ class WorkerHandle:
     blocks_reserved: int = 0  # prompt blocks of requests sent since the last heartbeat
     num_incarnations: int = 0
     was_alive: bool = False
+    # Its latest heartbeat said it is stopping (SIGTERM): once gone it left on purpose, and no
+    # supervisor brings this process back.
+    stopping: bool = False
 
     def heartbeat_age_s(self, now_s: float | None = None) -> float:
         return (time.monotonic() if now_s is None else now_s) - self.last_seen_s
@@ -99,6 +102,7 @@ class WorkerRegistry:
         if envelope.WhichOneof("body") == "heartbeat":
             worker.heartbeat = envelope.heartbeat
             worker.blocks_reserved = 0
+            worker.stopping = envelope.heartbeat.is_draining
         return lost
 
     def assign(self, worker_id: str, request_id: str, num_tokens: int) -> None:

@@ -59,7 +59,8 @@ class GatewayConfig:
     # Threads that tokenize large prompts and render chat templates off the event loop.
     tokenizer_threads: int = 2
     # A stream whose worker died waits this long (never past its deadline) for a live worker
-    # before it fails UNAVAILABLE: a restarted worker is often back within seconds.
+    # before it fails UNAVAILABLE: a restarted worker is often back within seconds. Not while the
+    # gateway drains and every worker said it was stopping: none is coming back.
     resume_grace_s: float = 5.0
     # `python -m gateway --supervise`: first delay before restarting a gateway that exited, doubled
     # per quick crash up to worker.max_restart_backoff_s. A gateway loads no model, so it restarts

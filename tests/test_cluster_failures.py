@@ -169,12 +169,14 @@ def test_honcho_start_keeps_the_cluster_up_when_a_model_process_or_the_gateway_d
         deadline = time.monotonic() + 30
         while sum(w.num_running for w in cluster.status().workers) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert sum(w.num_running for w in cluster.status().workers) > 0, "the stream never started"
         honcho.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=30)
+            assert not t.is_alive(), "the stream outlived the cluster"
         got = results["in flight"]
         assert isinstance(got, grpc.RpcError) and got.code() == grpc.StatusCode.UNAVAILABLE, got
-        assert "draining" in got.details()
+        assert "every worker stopped" in got.details(), got.details()
         honcho.wait(timeout=30)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and (cluster.model_pids("worker-0") or cluster.model_pids("worker-1")

@@ -7,6 +7,7 @@ again, as a supervisor would.
 """
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -27,9 +28,9 @@ def patient(served_checkpoint):
 
 
 class Stream:
-    def __init__(self, cluster, request_id: str, timeout: float = 60.0):
+    def __init__(self, cluster, request_id: str, timeout: float = 60.0, max_tokens: int = MAX_TOKENS):
         self.call = cluster.stub.Generate(request(request_id=request_id, sampling=dict(
-            max_tokens=MAX_TOKENS, ignore_eos=True)), timeout=timeout)
+            max_tokens=max_tokens, ignore_eos=True)), timeout=timeout)
         self.responses, self.error = [], None
         self.thread = threading.Thread(target=self._read)
         self.thread.start()
@@ -93,3 +94,25 @@ def test_no_worker_back_within_the_grace_is_unavailable(served_checkpoint):
         assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
         assert "gateway.resume_grace_s = 0.5 s" in stream.error.details(), stream.error.details()
         assert time.monotonic() - dead_at < 10
+
+
+def test_a_draining_gateway_keeps_the_grace_for_a_worker_that_crashed(served_checkpoint):
+    """Only the gateway drains (it is being restarted): its worker crashing meanwhile is not the
+    cluster stopping (that worker never said it was stopping), so the stream still waits for the
+    worker's supervisor to bring it back, and the gateway exits 0 once the stream is done."""
+    with FakeCluster(served_checkpoint, step_ms=20, sections={"gateway": {"resume_grace_s": 30.0}}) as cluster:
+        stream = Stream(cluster, "grace-draining", max_tokens=4 * MAX_TOKENS)
+        gateway = cluster.procs["gateway"]
+        gateway.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not cluster.status().draining:
+            assert time.monotonic() < deadline, "the gateway never began draining"
+            time.sleep(0.005)
+        kill_and_wait_dead(cluster)
+        time.sleep(1.0)
+        assert stream.error is None and stream.thread.is_alive()
+        cluster.restart_worker("worker-0")
+        stream.join()
+        assert stream.error is None, stream.error
+        assert sum(len(r.token_ids) for r in stream.responses) == 4 * MAX_TOKENS
+        assert gateway.wait(timeout=30) == 0
