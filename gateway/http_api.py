@@ -49,6 +49,9 @@ _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUST
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 # How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
 _GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
+# Where a tool's parameters sit inside the tool-call schema (openai_requests._placed), named back
+# as the body has them: "/$defs/function0/$defs/Inner" is "tools[0].function.parameters#/$defs/Inner".
+_PLACED_TOOL = re.compile(r"#?/\$defs/function(\d+)((?:/[^\s'\"]*)?)")
 # The response headers a browser page may read (CORS): ours, and the 429's retry hint.
 EXPOSED_HEADERS = ["x-request-id", "x-worker-id", "x-queue-ms", "x-ttft-ms", "x-total-ms", "retry-after",
                    "x-should-retry"]
@@ -205,9 +208,7 @@ class OpenAiApi:
             await _until_disconnect(http, prepare_all(), lambda: None)
         except Refusal as e:
             self.admission.release_unqueued(prepared)
-            message = e.message
-            if presentation.constraint_field:
-                message = _GRPC_CONSTRAINT.sub(presentation.constraint_field, message, count=1)
+            message = _named_as_in_body(e.message, presentation.constraint_field)
             raise ApiError.from_code(e.code, message, e.retry_after_ms, logged=True) from None
         except BaseException:  # the client went away, or the handler was cancelled
             self.admission.release_unqueued(prepared)
@@ -276,6 +277,17 @@ class OpenAiApi:
         if request.prompt and not request.truncate_prompt_tokens:
             return request.prompt
         return self.admission.tokenizer.decode(state.prompt_ids)
+
+
+def _named_as_in_body(message: str, constraint_field: str) -> str:
+    """An admission refusal's message with the constraint named by the body field it came from."""
+    if not constraint_field:
+        return message
+    message = _GRPC_CONSTRAINT.sub(constraint_field, message, count=1)
+    if constraint_field == "tools":
+        message = _PLACED_TOOL.sub(lambda m: f"tools[{m[1]}].function.parameters" + (f"#{m[2]}" if m[2] else ""),
+                                   message)
+    return message
 
 
 def _without_422(app: FastAPI) -> dict:

@@ -167,16 +167,17 @@ def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOut
     names = [t.function.name for t in body.tools]
     if len(set(names)) != len(names):
         raise BadRequest("tools name a function twice", "tools")
+    # Each function keeps its index among the tools: its definitions are placed under that name.
     if choice == "required":
-        functions = [t.function for t in body.tools]
+        functions = [(i, t.function) for i, t in enumerate(body.tools)]
     else:
-        functions = [t.function for t in body.tools if t.function.name == choice.function.name]
+        functions = [(i, t.function) for i, t in enumerate(body.tools) if t.function.name == choice.function.name]
         if not functions:
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
     defs: dict[str, dict] = {}
     calls = [{"type": "object", "properties": {"name": {"const": f.name},
-                                               "arguments": _placed(f.parameters or {"type": "object"}, k, defs)},
-              "required": ["name", "arguments"], "additionalProperties": False} for k, f in enumerate(functions)]
+                                               "arguments": _placed(f.parameters or {"type": "object"}, i, defs)},
+              "required": ["name", "arguments"], "additionalProperties": False} for i, f in functions]
     single = choice != "required" or body.parallel_tool_calls is False
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if defs:

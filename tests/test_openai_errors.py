@@ -98,6 +98,12 @@ BAD_BODIES = [
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), 400,
      "function.name"),
     ("/v1/completions", completion(prompt=["a", ""]), 400, "prompt[1]"),
+    # A tool's dangling reference is named where the body has it, whichever tool the choice picks.
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "ok"}}, {
+        "type": "function", "function": {"name": "bad", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}],
+        tool_choice={"type": "function", "function": {"name": "bad"}}), 400,
+     "tools[1].function.parameters#/$defs/Missing"),
     # A constraint admission refuses is named by the body field it came from, not the gRPC one.
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}), 400, "response_format.json_schema.schema cannot"),
