@@ -63,13 +63,17 @@ class Admission:
         self.streams_idle.set()
 
     # ---- callers and streams ------------------------------------------------------------------------
-    def authenticate(self, request_id: str, authorization: str | None) -> Principal:
-        """The caller's principal, or an UNAUTHENTICATED refusal before any work is done."""
+    def authenticate(self, request_id: str, authorization: str | None, generation: bool = True) -> Principal:
+        """The caller's principal, or an UNAUTHENTICATED refusal before any work is done. Only a
+        generation's refusal is a request: it gets a request-log line and counts in the request
+        metrics; any other call's (status, abort, probe, a side route) does not."""
         principal = self.keys.authenticate(authorization)
         if principal is None:
-            self.refuse(request_id, grpc.StatusCode.UNAUTHENTICATED,
-                        "a valid API key is required: send it as `authorization: Bearer KEY`" if authorization is None
-                        else "the API key is not valid")
+            message = ("a valid API key is required: send it as `authorization: Bearer KEY`" if authorization is None
+                       else "the API key is not valid")
+            if generation:
+                self.refuse(request_id, grpc.StatusCode.UNAUTHENTICATED, message)
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, message)
         return principal
 
     def acquire_stream(self, request_id: str, principal: Principal = ANONYMOUS) -> None:
@@ -119,7 +123,7 @@ class Admission:
             check_request_id(request_id)
             num_chars = check_sizes(request, self.config.gateway)  # lengths only: before any work on contents
         except InvalidRequest as e:
-            self.refuse(request_id, e.code, e.message)
+            self.refuse(request_id, e.code, e.message, principal=principal)
         if self.dispatcher.requests.is_live(request_id, principal.name):  # cheap now; checked again at submit
             self.refuse_duplicate(request_id, principal)
         # Only a request that sets no max_tokens is fitted into a worker's pool.

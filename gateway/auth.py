@@ -162,8 +162,12 @@ def _spec(key: str, fields: dict[str, str], where: str, number: int) -> KeySpec:
                        priority_floor=int(fields["priority_floor"]) if "priority_floor" in fields else None)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
-    if min(spec.requests_per_minute, spec.tokens_per_minute, spec.max_streams) < 0:
-        raise ConfigError(f"{where}: rpm, tpm and streams must be >= 0")
+    if spec.max_streams < 0:
+        raise ConfigError(f"{where}: streams must be >= 0, got {spec.max_streams}")
+    # A bucket holds a minute's worth: under one request (or token) it could never let one through.
+    for name, value in (("rpm", spec.requests_per_minute), ("tpm", spec.tokens_per_minute)):
+        if not (value == 0 or (math.isfinite(value) and value >= 1)):
+            raise ConfigError(f"{where}: {name} must be 0 (no limit) or a number >= 1, got {fields[name]!r}")
     return spec
 
 

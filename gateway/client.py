@@ -14,6 +14,7 @@ gRPC error (its status and message go to stderr).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -43,6 +44,14 @@ def wire_int(bounds: tuple[int, int]) -> Callable[[str], int]:
         return value
     parse.__name__ = "integer"  # argparse names the type in "invalid integer value: ..."
     return parse
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (--timeout)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
+    return value
 
 
 def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
@@ -87,8 +96,13 @@ def channel_opener(args: argparse.Namespace) -> Callable[[str], grpc.Channel]:
         return grpc.insecure_channel
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("give --tls-cert and --tls-key together")
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    def read(flag: str, path: str | None) -> bytes | None:
+        try:
+            return Path(path).read_bytes() if path else None
+        except OSError as e:
+            raise SystemExit(f"{flag}: cannot read {path}: {e.strerror}") from None
+    credentials = grpc.ssl_channel_credentials(read("--tls-ca", args.tls_ca), read("--tls-key", args.tls_key),
+                                               read("--tls-cert", args.tls_cert))
     return lambda address: grpc.secure_channel(address, credentials)
 
 
@@ -213,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--address", default="localhost:50051",
                         help="the gateway's host:port, or several comma-separated: each request goes to one of "
                              "them, a session's requests to the same one (gateway/gateway_pool.py)")
-    common.add_argument("--timeout", type=float, default=None, help="the request's deadline in seconds")
+    common.add_argument("--timeout", type=seconds, default=None, help="the request's deadline in seconds")
     common.add_argument("--api-key", default=os.environ.get("INFERENCE_API_KEY"),
                         help="the API key (default: $INFERENCE_API_KEY)")
     common.add_argument("--tls-ca", default=None, metavar="FILE", help="connect over TLS, trusting this CA (PEM)")

@@ -30,7 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Admission, Refusal, choice_params
-from gateway.http_auth import ApiKeyCheck, principal_of
+from gateway.auth import ANONYMOUS, Principal
+from gateway.http_auth import GENERATE_PATHS, ApiKeyCheck, principal_of
+from gateway.http_body_limit import BodyLimit
 from gateway.http_errors import ApiError, http_error, internal_error, validation_error
 from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
 from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
@@ -46,7 +48,6 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 5
 
 # Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
 _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 # How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
 _GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
 # Where a tool's parameters sit inside the tool-call schema (openai_requests._placed), named back
@@ -86,6 +87,10 @@ class OpenAiApi:
         app.get("/health", responses={503: {"description": "draining, or no worker ready"}})(self.health)
         app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
         app.openapi = lambda: _without_422(app)
+        # Added first, so inside the key check: a caller without a valid key hears 401, not 413.
+        app.add_middleware(BodyLimit, max_bytes=self.config.gateway.max_body_bytes,
+                           on_refused=lambda request_id, message, scope: self.refused(
+                               request_id, 413, message, principal_of(scope)))
         app.add_middleware(ApiKeyCheck, admission=self.admission)
         if self.config.gateway.cors_allow_origins:
             # Added last, so outermost: a browser's preflight (which carries no key) is answered
@@ -98,11 +103,11 @@ class OpenAiApi:
         """An error response; a refusal of a generation that admission did not already log is logged
         and counted here, once."""
         if not e.logged and http.url.path in GENERATE_PATHS and e.status in _LOG_STATUS:
-            self.refused(http.headers.get("x-request-id", "-"), e.status, e.message)
+            self.refused(http.headers.get("x-request-id", "-"), e.status, e.message, principal_of(http.scope))
         return e.response()
 
-    def refused(self, request_id: str, status: int, message: str) -> None:
-        refuse_request(request_id, _LOG_STATUS.get(status, "UNKNOWN"), message, self.metrics)
+    def refused(self, request_id: str, status: int, message: str, principal: Principal = ANONYMOUS) -> None:
+        refuse_request(request_id, _LOG_STATUS.get(status, "UNKNOWN"), message, self.metrics, principal.name)
 
     # ---- routes -------------------------------------------------------------------------------------
     async def models(self) -> dict:

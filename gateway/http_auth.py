@@ -9,6 +9,7 @@ from gateway.admission import Admission, Refusal
 from gateway.auth import ANONYMOUS, Principal
 
 OPEN_PATHS = frozenset({"/health"})
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes whose calls are requests
 
 
 def principal_of(scope) -> Principal:
@@ -28,7 +29,8 @@ class ApiKeyCheck:
         request_id = headers.get(b"x-request-id", b"-").decode("latin-1")
         try:
             scope["principal"] = self.admission.authenticate(
-                request_id, None if authorization is None else authorization.decode("latin-1"))
+                request_id, None if authorization is None else authorization.decode("latin-1"),
+                generation=scope.get("path") in GENERATE_PATHS)
         except Refusal as e:
             return await _refuse(send, e.message)
         await self.app(scope, receive, send)

@@ -156,7 +156,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         """The caller's principal; aborts UNAUTHENTICATED without a valid key, PERMISSION_DENIED
         when `admin` is needed and the key is not one."""
         try:
-            principal = self.admission.authenticate(request_id, _authorization(context))
+            principal = self.admission.authenticate(request_id, _authorization(context), generation=False)
         except Refusal as e:
             await _abort(context, e)
         if admin and not principal.is_admin:
@@ -202,8 +202,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             reply = await self.dispatcher.probe(request.worker_id, request.deep, request.memory_report,
                                                 self.config.gateway.probe_timeout_s)
         except (asyncio.TimeoutError, ConnectionError) as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.worker_id} did not answer the probe: "
-                                                             f"{e or 'timed out'}")
+            # str() of a TimeoutError is empty: say what happened.
+            why = (f"no answer within gateway.probe_timeout_s = {self.config.gateway.probe_timeout_s:g} s"
+                   if isinstance(e, asyncio.TimeoutError) or not str(e) else str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{request.worker_id} did not answer the probe: {why}")
         return inference_pb2.ProbeWorkerResponse(worker_id=request.worker_id, ok=reply.ok, error=reply.error,
                                                  latency_ms=reply.latency_ms, memory_report=reply.memory_report)
 
@@ -239,8 +241,7 @@ class Gateway:
         self.http: HttpServer | None = None
         if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
-            self.http = HttpServer(api.app, g.host, g.http_port, g.max_body_bytes, tls=tls, reuse_port=g.reuse_port,
-                                   on_refused=lambda request_id, message: api.refused(request_id, 413, message))
+            self.http = HttpServer(api.app, g.host, g.http_port, tls=tls, reuse_port=g.reuse_port)
         self._stopped = asyncio.Event()
         self._health_names: set[str] = set()
 

@@ -53,7 +53,11 @@ def test_the_environment_variable_is_one_admin_key(tmp_path):
     (f"{ALICE} role=root", "role must be one of"),
     (f"{ALICE} rpm=lots", "could not convert"),
     (f"{ALICE} colour=blue", "is not one of"),
-    (f"{ALICE} rpm=-1", ">= 0"),
+    (f"{ALICE} rpm=-1", "rpm must be 0 .no limit. or a number >= 1, got '-1'"),
+    (f"{ALICE} rpm=nan", "rpm must be 0"),
+    (f"{ALICE} tpm=inf", "tpm must be 0"),
+    (f"{ALICE} rpm=0.5", "rpm must be 0"),  # a minute's bucket that never holds one request
+    (f"{ALICE} streams=-2", "streams must be >= 0"),
     (f"{ALICE} name=a\n{BOB} name=a", "unique"),
 ])
 def test_a_bad_key_file_names_the_line_and_never_the_key(tmp_path, line, message):

@@ -59,3 +59,16 @@ def test_values_at_the_fields_bounds_build_a_request(calls):
     [(name, args)] = calls
     request = client.build_request(args)
     assert (request.sampling.seed, request.priority, request.sampling.logprobs) == (2**64 - 1, -2**31, 20)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_timeout_must_be_a_positive_finite_number_of_seconds(calls, capsys, value):
+    with pytest.raises(SystemExit) as e:
+        client.main(["hi", "--timeout", value])
+    assert e.value.code == 2 and not calls and "argument --timeout" in capsys.readouterr().err
+
+
+def test_an_unreadable_tls_file_is_an_error_naming_the_flag(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        client.main(["hi", "--tls-ca", str(tmp_path / "missing.pem")])
+    assert str(e.value).startswith("--tls-ca: cannot read") and "missing.pem" in str(e.value)

@@ -4,6 +4,7 @@ rates, stream cap and priority floor, keep each key's requests its own (Abort of
 NOT_FOUND), keep ProbeWorker for admins, leave health open, and never write a key anywhere."""
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -289,3 +290,65 @@ def test_no_key_appears_in_any_log_line_or_metric(cluster):
     for key, _ in KEYS.values():
         assert not any(key in text for text in texts)
     assert any(r.get("api_key") == "user" for r in records(cluster))
+
+
+def unauthenticated_total(cluster) -> float:
+    request = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/metrics",
+                                     headers={"authorization": f"Bearer {KEYS['admin'][0]}"})
+    with urllib.request.urlopen(request, timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('inference_request_status_total{code="UNAUTHENTICATED"}'))
+
+
+def test_only_a_generation_refused_for_its_key_is_a_request_in_the_log_and_metrics(cluster):
+    """A status, abort or probe call, or a side route, refused for want of a key is not a request:
+    no request-log line (an Abort's would name another client's live request), no request counter."""
+    before = unauthenticated_total(cluster)
+    for call in (lambda: cluster.stub.Abort(inference_pb2.AbortRequest(request_id="abort-no-key"), timeout=5),
+                 lambda: cluster.stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=5),
+                 lambda: cluster.stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(worker_id="worker-0"), timeout=5)):
+        assert code_of(call).code() == grpc.StatusCode.UNAUTHENTICATED
+    for path in ("/v1/models", "/metrics", "/nowhere"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}{path}",
+                                                          headers={"x-request-id": "side-no-key"}), timeout=5)
+        assert e.value.code == 401
+    assert unauthenticated_total(cluster) == before
+    assert not [r for r in records(cluster) if r["request_id"] in ("abort-no-key", "side-no-key")]
+    gen = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/v1/completions", data=json.dumps(
+        {"model": "llama", "prompt": "hi", "max_tokens": 2}).encode(),
+        headers={"content-type": "application/json", "x-request-id": "gen-no-key"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(gen, timeout=5)
+    assert e.value.code == 401 and unauthenticated_total(cluster) == before + 1
+    [record] = [r for r in records(cluster) if r["request_id"] == "gen-no-key"]
+    assert record["status_code"] == "UNAUTHENTICATED"
+
+
+def test_a_caller_without_a_key_hears_401_before_its_body_is_weighed(cluster):
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=10)
+    try:
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("content-type", "application/json")
+        connection.putheader("content-length", str(1 << 40))  # far over gateway.max_body_bytes; never sent
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 401 and "API key" in json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
+
+
+def test_a_keyed_callers_refusal_is_logged_under_its_key(cluster):
+    refused = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/v1/completions", data=json.dumps(
+        {"model": "gpt-4", "prompt": "hi", "max_tokens": 2}).encode(),
+        headers={"content-type": "application/json", "x-request-id": "keyed-404",
+                 "authorization": f"Bearer {KEYS['user'][0]}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(refused, timeout=5)
+    assert e.value.code == 404
+    long_id = "x" * 200  # over the request id's bound: refused before any other check
+    assert code_of(lambda: generate(cluster, "user", request_id=long_id)).code() == grpc.StatusCode.INVALID_ARGUMENT
+    by_id = {r["request_id"][:12]: r for r in records(cluster) if r["request_id"] in ("keyed-404",) or
+             r["request_id"].startswith("xxxx")}
+    assert by_id["keyed-404"]["api_key"] == "user" and by_id["x" * 12]["api_key"] == "user"
