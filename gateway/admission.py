@@ -149,6 +149,15 @@ class Admission:
         if not self.dispatcher.has_live_worker():
             self.refuse(request_id, grpc.StatusCode.UNAVAILABLE, "no worker is alive to serve requests",
                         principal=principal)
+        # A sequence holds its prompt and every token it may write in one worker's KV pool: one that
+        # no live worker's whole pool can hold would wait in the queue until its deadline.
+        need, pool = len(checked.prompt_ids) + checked.params.max_tokens, self.dispatcher.registry.largest_pool_tokens(
+            time.monotonic())
+        if pool and need > pool:
+            self.refuse(request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"prompt ({len(checked.prompt_ids)} tokens) + max_tokens ({checked.params.max_tokens}) = "
+                        f"{need} tokens, more than the largest worker's KV pool holds ({pool} tokens: "
+                        f"worker.num_kv_blocks x block_size)", principal=principal)
         if principal.tokens is not None:
             per_sequence = len(checked.prompt_ids) + checked.params.max_tokens
             self._charge_tokens(request_id, principal, copies * per_sequence,

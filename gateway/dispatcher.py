@@ -290,7 +290,11 @@ class Dispatcher:
         and blocks already routed to them in this pass."""
         state = item.payload
         need = self._num_tokens(state) + 1
-        room = [w for w in takers if w.free_blocks() - taken_blocks.get(w.worker_id, 0) >= w.blocks_for(need)]
+        # Only a worker whose whole pool holds everything the sequence may write: a smaller one
+        # would refuse it (a heterogeneous fleet, or a pool smaller than the model's context).
+        whole = len(state.prompt_ids) + state.params.max_tokens
+        room = [w for w in takers if w.free_blocks() - taken_blocks.get(w.worker_id, 0) >= w.blocks_for(need)
+                and (not w.heartbeat.kv_blocks_total or w.heartbeat.kv_blocks_total >= w.blocks_for(whole))]
         return self.router.route(state, room, taken)
 
     @staticmethod

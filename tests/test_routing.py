@@ -20,8 +20,9 @@ BLOCK = 4
 SYSTEM = list(range(100, 132))  # 8 blocks
 
 
-def request(tokens, session_id=""):
-    return SimpleNamespace(prompt_ids=list(tokens), output_ids=[], session_id=session_id, block_hashes=None)
+def request(tokens, session_id="", max_tokens=1):
+    return SimpleNamespace(prompt_ids=list(tokens), output_ids=[], session_id=session_id, block_hashes=None,
+                           params=SimpleNamespace(max_tokens=max_tokens))
 
 
 def heartbeat(worker_id, **fields):
@@ -167,6 +168,29 @@ def test_nothing_routes_beyond_what_a_worker_can_take():
     assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("worker-1", "spread", 0)
     assert dispatcher._route(item, takers[:1], {"worker-0": 4}, {"worker-0": 1}) is None
     assert router.route(state, [], {}) is None
+
+
+def test_a_worker_whose_whole_pool_cannot_hold_the_sequence_is_never_chosen():
+    """Free blocks for the prompt are not enough: prompt + max_tokens must fit the worker's whole
+    pool, or it would refuse the request (a fleet of unequal pools)."""
+    dispatcher = Dispatcher(load_config())
+    registry = dispatcher.registry
+    registry.on_message(heartbeat("worker-0", kv_blocks_total=10, kv_blocks_free=10), 0.0)  # 40 tokens
+    registry.on_message(heartbeat("worker-1", kv_blocks_total=1000, kv_blocks_free=5), 0.0)
+    takers = workers(registry)
+
+    def routed(max_tokens, candidates):
+        state = request([1, 2, 3, 4], max_tokens=max_tokens)
+        item = QueuedItem(request_id="r", num_tokens=4, priority=0, arrival_s=0.0, deadline_s=None, max_wait_s=None,
+                          payload=state)
+        route = dispatcher._route(item, candidates, {}, {})
+        return route and route.worker.worker_id
+
+    assert routed(36, takers[:1]) == "worker-0"  # 40 tokens: its whole pool
+    assert routed(37, takers[:1]) is None
+    assert routed(37, takers) == "worker-1"
+    for _ in range(8):  # whatever the policy's turn or load, never the pool that is too small
+        assert routed(200, takers) == "worker-1"
 
 
 def test_a_prefix_cached_nowhere_goes_to_its_session_else_spreads():
