@@ -1,6 +1,7 @@
 """Config parsing: what we support is read correctly, what we do not is refused by name."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -75,3 +76,19 @@ def test_head_dim_and_eos_ids():
     config = ModelConfig.from_dict({**BASE, "head_dim": 32, "eos_token_id": [2, 7]})
     assert (config.head_dim, config.q_size, config.kv_size) == (32, 128, 64)
     assert config.eos_token_ids == (2, 7)
+
+
+def test_end_of_sequence_ids_join_generation_config_and_the_tokenizers_eos(tmp_path):
+    """Chat checkpoints name their end of turn in generation_config.json (Llama 3's <|eot_id|>)
+    or as the tokenizer's eos_token, beside config.json's: the engine stops on all of them, as
+    transformers' generate and the gateway's tokenizer do."""
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2}))
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (2,)  # nothing more to read
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9]}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|eot|>"}}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 11, "content": "<|eot|>"}],
+                                                         "model": {"vocab": {"a": 3}}}))
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (2, 9, 11)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a"}))  # a plain vocabulary entry
+    (tmp_path / "generation_config.json").write_text("not json")  # unreadable: ignored, as a missing one
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (2, 3)

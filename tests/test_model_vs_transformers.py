@@ -109,3 +109,23 @@ def test_crowd_preemption_chunking_and_prefix_hits_do_not_change_greedy_outputs(
     assert [final[f"other{i}"].token_ids for i in range(len(others))] == solo_others
     assert crowd.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert [final[f"other{i}"].num_cached_tokens for i in range(4, 8)] == [48] * 4
+
+
+def test_greedy_stops_where_transformers_does_on_an_eos_named_only_in_generation_config(served_checkpoint, tmp_path):
+    """transformers' generate stops on generation_config.json's eos_token_id; so does the engine."""
+    import json
+    import shutil
+    prompt = [1, 50, 60, 70, 80]
+    free = Engine.from_model_dir(served_checkpoint, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].token_ids
+    stop_at = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i])  # first seen at i >= 3
+    checkpoint = tmp_path / "llama"
+    shutil.copytree(served_checkpoint, checkpoint)
+    generation = json.loads((checkpoint / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation.get("eos_token_id") or 1, free[stop_at]]
+    (checkpoint / "generation_config.json").write_text(json.dumps(generation))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
+    out = Engine.from_model_dir(checkpoint, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)[0]
+    assert out.token_ids == expected == free[:stop_at + 1] and out.finish_reason == "stop"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 # Hugging Face architecture name -> our family name.
@@ -75,7 +75,9 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()))
+        config = cls.from_dict(json.loads(path.read_text()))
+        eos = tuple(dict.fromkeys(config.eos_token_ids + _checkpoint_eos_ids(Path(model_dir))))
+        return replace(config, eos_token_ids=eos)
 
     @classmethod
     def from_dict(cls, hf: dict) -> "ModelConfig":
@@ -174,6 +176,31 @@ def _rope(hf: dict) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint names beyond config.json, as the gateway's tokenizer
+    reads them (gateway/tokenizer.py): generation_config.json's `eos_token_id` (where chat models
+    name their end of turn, e.g. Llama 3's <|eot_id|>) and the tokenizer's `eos_token`."""
+    ids = list(_as_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")))
+    eos = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str):
+        tokenizer = _read_json(model_dir / "tokenizer.json")
+        added = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens") or [] if isinstance(t, dict)}
+        vocab = (tokenizer.get("model") or {}).get("vocab")
+        eos_id = added.get(eos, vocab.get(eos) if isinstance(vocab, dict) else None)
+        if isinstance(eos_id, int):
+            ids.append(eos_id)
+    return tuple(ids)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _as_ids(value) -> tuple[int, ...]:
