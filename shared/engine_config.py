@@ -151,6 +151,9 @@ class EngineConfig:
               "quantization_group_size", self.quantization_group_size, "an even number >= 2")
         check(self.quantization_calibration in ("self", "none") or os.path.isfile(self.quantization_calibration),
               "quantization_calibration", self.quantization_calibration, "self, none or an existing text file")
+        # The rule replaces the mixed preset's clauses; beside any other preset it would do nothing.
+        check(not self.quantization_rule or self.quantization == "mixed", "quantization_rule", self.quantization_rule,
+              f'empty unless quantization = "mixed" (it is {self.quantization!r})')
         try:
             self.quantization_rule_parsed()
         except ValueError as e:

@@ -70,6 +70,10 @@ def test_from_model_dir_takes_the_toml_names_and_checks_them_the_same_way(checkp
                        (dict(quantization="int3"), "quantization must be"),
                        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be"),
                        (dict(quantization="mixed", quantization_rule="attention:int9"), "quantization_rule"),
+                       # Beside another preset a rule would do nothing: refused, not ignored.
+                       (dict(quantization="int8", quantization_rule="attention:int4"),
+                        'quantization_rule must be empty unless quantization = "mixed"'),
+                       (dict(quantization_rule="garbage"), "quantization_rule must be empty unless"),
                        (dict(load_mode="sharded", devices=["cpu"]), "at least 2 devices")]:
         with pytest.raises(ConfigError, match=words):
             Engine.from_model_dir(checkpoints["llama"], **bad)
