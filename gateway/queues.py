@@ -1,9 +1,11 @@
 """Length-bucketed priority queues: the gateway's global order of waiting requests.
 
 A prompt's length in tokens picks its bucket. Within a bucket, requests are ordered by
-(effective priority, deadline, arrival), where the effective priority improves by one level
-for every `aging_s` a request has waited, so a long-bucket or low-priority request cannot
-starve. The queue is bounded in requests and in prompt tokens. Pure Python, no I/O: the
+(effective priority, deadline, arrival). The effective priority improves by one level for every
+`aging_s` a request has waited, so a long-bucket or low-priority request cannot starve. A
+deadline is compared by its timeout to two significant digits: a client's "60 s" reaches the
+gateway as 59.9-60.0 s (gRPC keeps a few digits on the wire), and equal timeouts keep arrival
+order. The queue is bounded in requests and in prompt tokens. Pure Python, no I/O: the
 dispatcher decides when to pop, and times come in as arguments.
 """
 from __future__ import annotations
@@ -39,8 +41,16 @@ class QueuedItem(Generic[T]):
 
     def sort_key(self, now_s: float, aging_s: float) -> tuple:
         boost = math.floor(max(0.0, now_s - self.arrival_s) / aging_s)
-        deadline = self.deadline_s if self.deadline_s is not None else math.inf
+        deadline = math.inf if self.deadline_s is None else self.arrival_s + _two_digits(self.deadline_s - self.arrival_s)
         return (self.priority - boost, deadline, self.seq)
+
+
+def _two_digits(seconds: float) -> float:
+    """A timeout rounded to two significant digits (59.93 -> 60, 2.449 -> 2.4)."""
+    if not seconds > 0 or math.isinf(seconds):
+        return seconds
+    step = 10.0 ** (math.floor(math.log10(seconds)) - 1)
+    return round(seconds / step) * step
 
 
 @dataclass

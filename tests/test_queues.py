@@ -41,6 +41,19 @@ def test_within_a_bucket_priority_then_deadline_then_arrival():
                                                         "no-deadline", "late-low"]
 
 
+def test_equal_timeouts_keep_arrival_order_whatever_the_wire_rounding():
+    """gRPC carries a timeout with a few significant digits, so ten "60 s" requests 30 ms apart
+    arrive with deadlines jittered by up to 0.1 s: they are still served in arrival order, and a
+    really shorter timeout still goes first."""
+    q = make_queue()
+    jitter = [0.0, -0.1, 0.05, -0.08, 0.0, -0.03, 0.09, -0.1, 0.02, -0.06]
+    for i, j in enumerate(jitter):
+        arrival = 0.03 * i
+        q.push(item(f"r{i}", arrival_s=arrival, deadline_s=arrival + 60.0 + j))
+    q.push(item("tight", arrival_s=0.5, deadline_s=0.5 + 2.0))
+    assert ids(q.pop_batch(now_s=0.5, max_items=20)) == ["tight"] + [f"r{i}" for i in range(10)]
+
+
 def test_a_batch_comes_from_the_bucket_with_the_best_head():
     q = make_queue()
     q.push(item("short-bulk", num_tokens=10, priority=5))
