@@ -134,8 +134,10 @@ class Admission:
         args = (request, self.tokenizer, self.max_model_len, default_max_tokens, self.constraints, room)
         try:
             # A constraint is checked against the vocabulary (a lexer build): never on the loop.
-            if should_offload(num_chars, len(request.messages)) or request.sampling.HasField("structured_output"):
-                checked = await self.offload.run(validate, *args, release_memory=num_chars >= RELEASE_MIN_CHARS)
+            large = should_offload(num_chars, len(request.messages))
+            if large or request.sampling.HasField("structured_output"):
+                checked = await self.offload.run(validate, *args, release_memory=num_chars >= RELEASE_MIN_CHARS,
+                                                 large=large)
             else:
                 checked = validate(*args)
         except InvalidRequest as e:

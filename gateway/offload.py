@@ -4,7 +4,10 @@ rendering chat templates, so that the event loop (every stream, every heartbeat)
 The tokenizers library releases the GIL while it encodes (gateway/tokenizer.py calls its batch
 API, which does), so a 3 MB prompt tokenizes on a pool thread while the loop runs on. Small
 inputs stay on the loop: a thread hop costs more than their work. The pool's queue is bounded
-too: past `max_pending` jobs, `run` raises OffloadBusyError rather than queue without end.
+too: past `max_pending` large jobs, `run` raises OffloadBusyError rather than queue without end.
+A small request that comes only for its structured-output check (a grammar's lexer build, never
+on the loop) is not a large job: it holds little memory, and the gateway's stream cap bounds how
+many can wait.
 """
 from __future__ import annotations
 
@@ -38,20 +41,21 @@ class Offload:
     def __init__(self, num_threads: int, max_pending: int | None = None):
         self.max_pending = max_pending if max_pending is not None else num_threads * PENDING_PER_THREAD
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gateway-offload")
-        self.num_pending = 0  # submitted and not yet done (running or queued)
+        self.num_pending = 0  # large jobs submitted and not yet done (running or queued)
 
-    async def run(self, fn: Callable[..., T], *args, release_memory: bool = False) -> T:
+    async def run(self, fn: Callable[..., T], *args, release_memory: bool = False, large: bool = True) -> T:
         """fn(*args) on a pool thread, then (`release_memory`) the heap's free memory handed back to the
-        OS. A caller cancelled while its job is still queued takes the job out of the queue; one already
-        running finishes on its thread and its result is dropped."""
-        if self.num_pending >= self.max_pending:
+        OS; a `large` job counts against `max_pending`. A caller cancelled while its job is still queued
+        takes the job out of the queue; one already running finishes on its thread and its result is
+        dropped."""
+        if large and self.num_pending >= self.max_pending:
             raise OffloadBusyError(f"the gateway is already preparing {self.num_pending} large requests "
                                    f"(at most {self.max_pending} at once)")
-        self.num_pending += 1
+        self.num_pending += large
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, _call, fn, args, release_memory)
         finally:
-            self.num_pending -= 1
+            self.num_pending -= large
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -127,6 +127,26 @@ def test_offload_queue_is_bounded_and_a_cancelled_queued_job_never_runs():
     assert asyncio.run(scenario()) == ["after"]
 
 
+def test_small_jobs_do_not_count_against_the_bound_of_large_ones():
+    """A small request offloaded only for its structured-output check holds little memory: a pool
+    busy with large jobs up to its bound still takes it, and it takes no large job's place."""
+    async def scenario():
+        offload = Offload(num_threads=1, max_pending=1)
+        release = threading.Event()
+        running = asyncio.ensure_future(offload.run(release.wait, 10))
+        await asyncio.sleep(0.05)
+        small = [asyncio.ensure_future(offload.run(lambda i=i: i, large=False)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(OffloadBusyError, match="at most 1 at once"):
+            await offload.run(lambda: None)
+        release.set()
+        assert await running is True and await asyncio.gather(*small) == [0, 1, 2, 3, 4]
+        assert offload.num_pending == 0 and await offload.run(lambda: "large again") == "large again"
+        offload.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_bounds_are_config_values_checked_at_start():
     defaults = load_config(ROOT / "configs" / "default.toml").gateway
     assert (defaults.max_prompt_chars, defaults.max_chat_messages, defaults.max_stop_strings,
