@@ -183,8 +183,8 @@ class Admission:
                     f"this request needs {num_tokens} (prompt + max_tokens); {hint}", retry_after_ms(wait_s), principal)
 
     def enqueue(self, checked: ValidatedRequest, request_id: str, arrival_s: float, timeout_s: float | None,
-                params: SamplingParams | None = None, session_id: str = "", principal: Principal = ANONYMOUS
-                ) -> RequestState:
+                params: SamplingParams | None = None, session_id: str = "", principal: Principal = ANONYMOUS,
+                group_id: str = "") -> RequestState:
         """Queue one sequence of a prepared request (with `params` in place of its own, for the
         n-th choice of several, and `session_id` when the request names none), within the client's
         timeout and the gateway's own."""
@@ -194,7 +194,7 @@ class Admission:
         state = RequestState(request_id=request_id, internal_id=self.dispatcher.requests.new_id(),
                              prompt_ids=checked.prompt_ids, params=params or checked.params,
                              priority=principal.priority(checked.priority), tokenizer=self.tokenizer,
-                             arrival_s=arrival_s, session_id=session_id, owner=principal.name,
+                             arrival_s=arrival_s, session_id=session_id, owner=principal.name, group_id=group_id,
                              deadline_s=arrival_s + min(limits) if limits else None,
                              stream_interval=gateway.stream_interval, hold_s=gateway.stream_hold_ms / 1e3,
                              on_finished=checked.charge.sequence_ended if checked.charge else None)

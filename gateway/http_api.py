@@ -228,7 +228,8 @@ class OpenAiApi:
                     states.append(self.admission.enqueue(checked, sequence_id, arrival_s, timeout_s,
                                                          choice_params(checked.params, j),
                                                          session_id=f"{request_id}-p{p}" if n > 1 else "",
-                                                         principal=principal))
+                                                         principal=principal,
+                                                         group_id=request_id if total > 1 else ""))
         except Refusal as e:
             Sequences(self.admission, states).close(e.code)
             self.admission.release_unqueued(prepared)

@@ -26,6 +26,9 @@ class RequestTable:
         self._seq = itertools.count(1)
         self._by_internal: dict[str, RequestState] = {}
         self._by_client: dict[tuple[str, str], str] = {}  # (owner, client id) -> internal id, while live
+        # (owner, client id) of a request of several sequences -> how many of them are live: the id
+        # is taken while any is (its sequences are live under ids of their own, "id-k").
+        self._groups: dict[tuple[str, str], int] = {}
 
     def new_id(self) -> str:
         return f"{self._prefix}{next(self._seq):x}"
@@ -33,10 +36,13 @@ class RequestTable:
     def add(self, state: RequestState) -> None:
         """Make `state` live; DuplicateRequestError if its client id names a live request."""
         key = (state.owner, state.request_id)
-        if key in self._by_client:
+        if key in self._by_client or key in self._groups:
             raise DuplicateRequestError(state.request_id)
         self._by_internal[state.internal_id] = state
         self._by_client[key] = state.internal_id
+        if state.group_id:
+            group = (state.owner, state.group_id)
+            self._groups[group] = self._groups.get(group, 0) + 1
 
     def get(self, internal_id: str) -> RequestState | None:
         return self._by_internal.get(internal_id)
@@ -46,13 +52,18 @@ class RequestTable:
         return None if internal_id is None else self._by_internal[internal_id]
 
     def is_live(self, request_id: str, owner: str = "") -> bool:
-        return (owner, request_id) in self._by_client
+        return (owner, request_id) in self._by_client or (owner, request_id) in self._groups
 
     def pop(self, internal_id: str) -> RequestState | None:
         """Forget a request; its client id is free again."""
         state = self._by_internal.pop(internal_id, None)
         if state is not None and self._by_client.get((state.owner, state.request_id)) == internal_id:
             del self._by_client[(state.owner, state.request_id)]
+            if state.group_id:
+                group = (state.owner, state.group_id)
+                self._groups[group] -= 1
+                if not self._groups[group]:
+                    del self._groups[group]
         return state
 
     def __len__(self) -> int:

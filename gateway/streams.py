@@ -47,6 +47,7 @@ class RequestState:
     deadline_s: float | None = None  # monotonic; the client's deadline
     session_id: str = ""  # requests of one session go to one worker while it has room
     owner: str = ""  # the name of the API key that sent it ("" without keys)
+    group_id: str = ""  # the client's id of the request this is one sequence of (several prompts or n > 1)
     arrival_s: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     worker_id: str | None = None

@@ -51,6 +51,24 @@ def test_a_client_id_names_its_request_only_while_it_lives():
     assert {other.new_id() for _ in range(100)}.isdisjoint({table.new_id() for _ in range(100)})
 
 
+def test_a_request_of_several_sequences_holds_its_own_id_while_any_of_them_lives():
+    """An HTTP request with n > 1 (or several prompts) runs as "id-0", "id-1", ...: its own id is
+    taken too, in either order of arrival, until its last sequence ends."""
+    table = RequestTable()
+    sequences = [state(table, f"dup-{k}") for k in range(2)]
+    for s in sequences:
+        s.group_id = "dup"
+        table.add(s)
+    assert table.is_live("dup") and not table.is_live("dup", owner="another key")
+    with pytest.raises(DuplicateRequestError):
+        table.add(state(table, "dup"))
+    table.pop(sequences[0].internal_id)
+    assert table.is_live("dup")  # one sequence still runs
+    table.pop(sequences[1].internal_id)
+    assert not table.is_live("dup")
+    table.add(state(table, "dup"))
+
+
 def reuse_once(cluster, client_id: str, abort: bool, expected: list[int], outcomes: dict) -> str | None:
     """One round: None when right, else what went wrong."""
     old = cluster.stub.Generate(inference_pb2.GenerateRequest(

@@ -158,11 +158,12 @@ def test_body_over_the_bound_is_413_by_length_and_when_chunked(http):
     assert http.post("/v1/completions", json=completion()).status_code == 200
 
 
-def test_a_duplicate_request_id_in_flight_is_409(http, cluster):
+@pytest.mark.parametrize("first_n", [1, 2])  # n = 2 runs as "twice-0" and "twice-1": "twice" is taken too
+def test_a_duplicate_request_id_in_flight_is_409(http, cluster, first_n):
     done = threading.Event()
 
     def long_one():
-        http.post("/v1/completions", json=completion(max_tokens=200), headers={"x-request-id": "twice"})
+        http.post("/v1/completions", json=completion(max_tokens=200, n=first_n), headers={"x-request-id": "twice"})
         done.set()
 
     thread = threading.Thread(target=long_one)
@@ -170,9 +171,10 @@ def test_a_duplicate_request_id_in_flight_is_409(http, cluster):
     deadline = time.monotonic() + 10
     while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    r = http.post("/v1/completions", json=completion(), headers={"x-request-id": "twice"})
-    assert r.status_code == 409 and "already in flight" in r.json()["error"]["message"]
-    assert r.headers["x-should-retry"] == "false"  # the openai client would retry into the same refusal
+    for n in (1, 2):
+        r = http.post("/v1/completions", json=completion(n=n), headers={"x-request-id": "twice"})
+        assert r.status_code == 409 and "already in flight" in r.json()["error"]["message"], (first_n, n, r.text)
+        assert r.headers["x-should-retry"] == "false"  # the openai client would retry into the same refusal
     thread.join(30)
     assert done.is_set()
 
