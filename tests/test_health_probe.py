@@ -107,6 +107,32 @@ def test_tls_with_a_server_name(tmp_path, capsys):
         server.stop(grace=None)
 
 
+def test_mutual_tls_needs_the_probes_client_certificate(tmp_path, capsys):
+    """A gateway with a client CA asks every caller of its port for a certificate, health included."""
+    def pem_pair(names):
+        key = ec.generate_private_key(ec.SECP256R1())
+        return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()),
+                _certificate(key, names).public_bytes(serialization.Encoding.PEM))
+
+    server_key, server_cert = pem_pair([SERVER_NAME])
+    client_key, client_cert = pem_pair(["probe"])  # self-signed: its own CA, which the server trusts
+    for name, data in (("ca.pem", server_cert), ("client.pem", client_cert), ("client.key", client_key)):
+        (tmp_path / name).write_bytes(data)
+    server, _, address = _health_server(grpc.ssl_server_credentials(
+        [(server_key, server_cert)], root_certificates=client_cert, require_client_auth=True))
+    try:
+        tls = ["--address", address, "--tls-ca", str(tmp_path / "ca.pem"), "--tls-server-name", SERVER_NAME]
+        code, out = probe(capsys, *tls, "--timeout", "2")
+        assert code == 1 and "UNREACHABLE" in out  # no client certificate: the handshake fails
+        client = ["--tls-cert", str(tmp_path / "client.pem"), "--tls-key", str(tmp_path / "client.key")]
+        assert probe(capsys, *tls, *client)[0] == 0
+        with pytest.raises(SystemExit):  # a certificate without its key is a usage error
+            main(tls + client[:2])
+    finally:
+        server.stop(grace=None)
+
+
 def test_module_of_a_command_line():
     assert module_of(["/usr/bin/python3", "-m", "worker", "--worker-id", "w"]) == "worker"
     assert module_of(["python", "-u", "-X", "dev", "-W", "ignore", "-mworker"]) == "worker"

@@ -1,6 +1,7 @@
 """Health checks for container probes: ask a gateway's grpc.health.v1 service, or look for a local process.
 
-    python -m tools.health_probe --address HOST:PORT [--service NAME] [--tls-ca FILE] [--timeout S]
+    python -m tools.health_probe --address HOST:PORT [--service NAME] [--tls-ca FILE]
+                                 [--tls-cert FILE --tls-key FILE] [--timeout S]
     python -m tools.health_probe --address 127.0.0.1:50051 --alive     # the gateway answers at all
     python -m tools.health_probe --process worker                      # a `python -m worker` runs here
 
@@ -9,7 +10,9 @@ SERVING or not; with `--process`: when a matching process is running), 1 otherwi
 is printed either way. Health needs no API key. A worker pod has no port of its own, so its
 readiness asks the gateway about it (service = its worker id); `--process` needs no network, so a
 worker's liveness never depends on the gateway being up. Kubernetes' native gRPC probe cannot
-speak TLS; this one can (`--tls-ca`, `--tls-server-name`).
+speak TLS; this one can (`--tls-ca`, `--tls-server-name`), and with mutual TLS (the gateway's
+`tls_client_ca_file`: every caller of its port shows a certificate, health included) it presents
+a client certificate (`--tls-cert`, `--tls-key`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ _OPTIONS_WITH_VALUE = {"-W", "-X", "--check-hash-based-pycs"}  # the interpreter
 
 
 def check_health(address: str, service: str = "", tls_ca: Path | None = None, tls_server_name: str = "",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, tls_cert: Path | None = None,
+                 tls_key: Path | None = None) -> str:
     """The status name the health service reports for `service` (SERVING, NOT_SERVING, ...), or
     `SERVICE_UNKNOWN` when it has no such service, or `UNREACHABLE: <why>` when nothing answered."""
     import grpc  # here, so `--process` runs on the standard library alone (fast, every few seconds)
@@ -30,7 +34,10 @@ def check_health(address: str, service: str = "", tls_ca: Path | None = None, tl
 
     options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
     if tls_ca is not None:
-        credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=Path(tls_ca).read_bytes(),
+            private_key=Path(tls_key).read_bytes() if tls_key else None,
+            certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
         channel = grpc.secure_channel(address, credentials, options=options)
     else:
         channel = grpc.insecure_channel(address, options=options)
@@ -91,17 +98,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-ca", type=Path, help="CA certificate (PEM) when the gateway serves TLS")
     parser.add_argument("--tls-server-name", default="", help="the name the gateway's certificate is for, when "
                                                               "it is not the host of --address")
+    parser.add_argument("--tls-cert", type=Path, help="a client certificate (PEM), when the gateway asks for one")
+    parser.add_argument("--tls-key", type=Path, help="the client certificate's key (PEM)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds (default %(default)s)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_cert and not args.tls_ca):
+        parser.error("--tls-cert and --tls-key go together, with --tls-ca")
     if args.process:
         pid = find_process(args.process)
         print(f"{args.process}: running (pid {pid})" if pid else f"{args.process}: no such process")
         return 0 if pid else 1
-    status = check_health(args.address, args.service, args.tls_ca, args.tls_server_name, args.timeout)
+    status = check_health(args.address, args.service, args.tls_ca, args.tls_server_name, args.timeout,
+                          args.tls_cert, args.tls_key)
     print(f"{args.address} {args.service or '(overall)'}: {status}")
     if args.alive:
         return 0 if not status.startswith("UNREACHABLE") else 1
