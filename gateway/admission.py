@@ -153,15 +153,14 @@ class Admission:
                         principal=principal)
         # A sequence holds its prompt and every token it may write in one worker's KV pool: one that
         # no live worker's whole pool can hold would wait in the queue until its deadline.
-        need, pool = len(checked.prompt_ids) + checked.params.max_tokens, self.dispatcher.registry.largest_pool_tokens(
-            time.monotonic())
-        if pool and need > pool:
+        per_sequence = len(checked.prompt_ids) + checked.params.max_tokens
+        pool = self.dispatcher.registry.largest_pool_tokens(time.monotonic())
+        if pool and per_sequence > pool:
             self.refuse(request_id, grpc.StatusCode.INVALID_ARGUMENT,
                         f"prompt ({len(checked.prompt_ids)} tokens) + max_tokens ({checked.params.max_tokens}) = "
-                        f"{need} tokens, more than the largest worker's KV pool holds ({pool} tokens: "
+                        f"{per_sequence} tokens, more than the largest worker's KV pool holds ({pool} tokens: "
                         f"worker.num_kv_blocks x block_size)", principal=principal)
         if principal.tokens is not None:
-            per_sequence = len(checked.prompt_ids) + checked.params.max_tokens
             self._charge_tokens(request_id, principal, copies * per_sequence,
                                 None if request.sampling.HasField("max_tokens") else checked.params.max_tokens)
             checked = dataclasses.replace(checked, charge=TokenCharge(principal.tokens, per_sequence,

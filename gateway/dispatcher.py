@@ -30,6 +30,7 @@ from gateway.queues import LengthBucketedQueue, QueuedItem
 from gateway.request_table import DuplicateRequestError, RequestTable
 from gateway.routing import Route, Router
 from gateway.streams import RequestState
+from gateway.worker_probes import WorkerProbes
 from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
 from shared.config import ClusterConfig
@@ -64,12 +65,11 @@ class Dispatcher:
         self._tasks: list[asyncio.Task] = []
         self._on_workers_changed = on_workers_changed
         self._liveness: dict[str, tuple[bool, bool]] = {}
-        self._probes: dict[int, asyncio.Future] = {}
+        self.probes = WorkerProbes(lambda worker_id, envelope: self.socket.send(worker_id, envelope))
         self.prefix_index = PrefixIndex()
         self.router = Router(config.dispatch, self.prefix_index)
         # Label lookups cost more than the observation itself: resolve each bucket's once.
         self._itl_by_bucket = [self.metrics.itl.labels(str(b)) for b in range(len(q.bucket_bounds) + 1)]
-        self._probe_ids = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -123,9 +123,8 @@ class Dispatcher:
         self._check_liveness(time.monotonic())
 
     def _all_workers_stopped(self) -> bool:
-        """The gateway drains and no worker is coming back: each one gone said it was stopping. A
-        worker that crashed meanwhile is restarted by its supervisor, so it keeps the grace."""
-        return self._draining and all(w.stopping for w in self.registry.workers.values())
+        """The gateway drains and no worker is coming back (a crashed one would: it keeps the grace)."""
+        return self._draining and self.registry.all_stopping()
 
     def has_live_worker(self) -> bool:
         return bool(self.registry.live(time.monotonic()))
@@ -174,9 +173,7 @@ class Dispatcher:
             # square (the monitor loop reaps the others within MONITOR_INTERVAL_S).
             self.registry.note_heard(envelope.worker_id, now)
         elif kind == "probe_reply":
-            future = self._probes.pop(envelope.probe_reply.probe_id, None)
-            if future is not None and not future.done():
-                future.set_result(envelope.probe_reply)
+            self.probes.on_reply(envelope.probe_reply)
         elif kind == "exit":
             log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
                       envelope.exit.reason, len(worker.assigned))
@@ -389,22 +386,6 @@ class Dispatcher:
             self.requests.pop(item.request_id)
             item.payload.fail(grpc.StatusCode.UNAVAILABLE, f"no live worker is left to serve this request ({why})",
                               now)
-
-    async def probe(self, worker_id: str, deep: bool, memory_report: bool, timeout_s: float
-                    ) -> worker_pb2.ProbeReply:
-        """Ask one worker for a probe reply; TimeoutError if it does not answer in time."""
-        self._probe_ids += 1
-        probe_id = self._probe_ids
-        future = asyncio.get_running_loop().create_future()
-        self._probes[probe_id] = future
-        try:
-            sent = await self.socket.send(worker_id, worker_pb2.Envelope(probe=worker_pb2.Probe(
-                probe_id=probe_id, deep=deep, memory_report=memory_report)))
-            if not sent:
-                raise ConnectionError(f"{worker_id} is not connected")
-            return await asyncio.wait_for(future, timeout_s)
-        finally:
-            self._probes.pop(probe_id, None)
 
     async def _monitor_loop(self) -> None:
         while True:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 import uuid
 from pathlib import Path
@@ -34,7 +33,8 @@ from gateway.auth import ANONYMOUS, Principal
 from gateway.http_auth import GENERATE_PATHS, ApiKeyCheck, principal_of
 from gateway.http_body_limit import BodyLimit
 from gateway.http_errors import ApiError, http_error, internal_error, validation_error
-from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
+from gateway.openai_requests import (ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request,
+                                     completion_requests, named_as_in_body)
 from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
@@ -48,11 +48,6 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 5
 
 # Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
 _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
-# How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
-_GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
-# Where a tool's parameters sit inside the tool-call schema (openai_requests._placed), named back
-# as the body has them: "/$defs/function0/$defs/Inner" is "tools[0].function.parameters#/$defs/Inner".
-_PLACED_TOOL = re.compile(r"#?/\$defs/function(\d+)((?:/[^\s'\"]*)?)")
 # The response headers a browser page may read (CORS): ours, and the 429's retry hint.
 EXPOSED_HEADERS = ["x-request-id", "x-worker-id", "x-queue-ms", "x-ttft-ms", "x-total-ms", "retry-after",
                    "x-should-retry"]
@@ -213,7 +208,7 @@ class OpenAiApi:
             await _until_disconnect(http, prepare_all(), lambda: None)
         except Refusal as e:
             self.admission.release_unqueued(prepared)
-            message = _named_as_in_body(e.message, presentation.constraint_field)
+            message = named_as_in_body(e.message, presentation.constraint_field)
             raise ApiError.from_code(e.code, message, e.retry_after_ms, logged=True) from None
         except BaseException:  # the client went away, or the handler was cancelled
             self.admission.release_unqueued(prepared)
@@ -283,17 +278,6 @@ class OpenAiApi:
         if request.prompt and not request.truncate_prompt_tokens:
             return request.prompt
         return self.admission.tokenizer.decode(state.prompt_ids)
-
-
-def _named_as_in_body(message: str, constraint_field: str) -> str:
-    """An admission refusal's message with the constraint named by the body field it came from."""
-    if not constraint_field:
-        return message
-    message = _GRPC_CONSTRAINT.sub(constraint_field, message, count=1)
-    if constraint_field == "tools":
-        message = _PLACED_TOOL.sub(lambda m: f"tools[{m[1]}].function.parameters" + (f"#{m[2]}" if m[2] else ""),
-                                   message)
-    return message
 
 
 def _without_422(app: FastAPI) -> dict:

@@ -7,6 +7,8 @@ import json
 
 from fastapi import HTTPException
 
+from gateway.openai_responses import error_body
+
 
 class BodyLimit:
     """ASGI middleware: a body beyond `max_bytes` is refused 413 before it is read (by its
@@ -55,8 +57,8 @@ class BodyLimit:
                 f"(gateway.max_body_bytes)")
 
     async def _refuse(self, send, num_bytes: int) -> None:
-        body = json.dumps({"error": {"message": self._message(num_bytes), "type": "invalid_request_error",
-                                     "param": None, "code": "body_too_large"}}).encode()
+        body = json.dumps(error_body(self._message(num_bytes), "invalid_request_error", None, "body_too_large")
+                          ).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -84,8 +84,9 @@ def validation_error(e: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, first.get("type"))
 
 
-# The codes of the HTTP layer's own refusals, as gateway/http_server.py writes them itself before
-# the app runs (a body too large by its Content-Length); the same refusal found mid-read comes here.
+# The codes of the HTTP layer's own refusals, as gateway/http_body_limit.py writes them itself
+# before the routes run (a body too large by its Content-Length); the same refusal found mid-read
+# comes here.
 _HTTP_CODES = {413: "body_too_large"}
 
 

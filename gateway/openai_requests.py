@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -65,7 +66,7 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
         raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which this server does not "
                          "compute; drop one of them", "echo")
     sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
-    constraint = _constraint(body)
+    constraint, constraint_field = _constraint(body)
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint)
     requests = []
@@ -79,7 +80,7 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
                 raise BadRequest("prompt token ids must be in [0, 2**32)", "prompt")
             request.prompt_token_ids.extend(prompt)
         requests.append(request)
-    return requests, _presentation(body, body.echo, body.logprobs, limits)
+    return requests, _presentation(body, body.echo, body.logprobs, limits, constraint_field)
 
 
 def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[inference_pb2.GenerateRequest,
@@ -97,7 +98,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs", MAX_TOP_LOGPROBS), priority=body.priority,
         truncate_prompt_tokens=_truncate(body), session_id=_session(body),
         tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "")
-    constraint, tool_calls = _constraint(body), _tool_constraint(body)
+    (constraint, constraint_field), tool_calls = _constraint(body), _tool_constraint(body)
     if constraint is not None and tool_calls is not None:
         raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",
                          "tool_choice")
@@ -116,38 +117,41 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
             role="system" if message.role == "developer" else message.role, content=content or "",
             name=message.name or "", tool_call_id=message.tool_call_id or "",
             tool_calls_json=json.dumps([c.model_dump() for c in message.tool_calls]) if message.tool_calls else "")
-    presentation = _presentation(body, False, logprobs, limits)
+    presentation = _presentation(body, False, logprobs, limits, "tools" if tool_calls is not None else constraint_field)
     if tool_calls is not None:
-        presentation = dataclasses.replace(presentation, tool_calls=True, constraint_field="tools")
+        presentation = dataclasses.replace(presentation, tool_calls=True)
     return request, presentation
 
 
-def _constraint(body: _Constrained) -> inference_pb2.StructuredOutput | None:
-    """response_format (OpenAI's) or structured_outputs (vLLM's), as the gateway's constraint."""
+def _constraint(body: _Constrained) -> tuple[inference_pb2.StructuredOutput | None, str]:
+    """response_format (OpenAI's) or structured_outputs (vLLM's), as the gateway's constraint, and
+    the body field it came from ("" for none)."""
     fmt, so = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type != "text" and so is not None:
         raise BadRequest("give response_format or structured_outputs, not both", "structured_outputs")
     if fmt is not None and fmt.type == "json_object":
-        return inference_pb2.StructuredOutput(json_object=True)
+        return inference_pb2.StructuredOutput(json_object=True), "response_format"
     if fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise BadRequest("response_format json_schema needs json_schema.schema", "response_format.json_schema")
-        return inference_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+        return (inference_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_)),
+                "response_format.json_schema.schema")
     if fmt is not None and fmt.json_schema is not None:
         raise BadRequest(f"response_format type {fmt.type!r} takes no json_schema", "response_format.json_schema")
     if so is None:
-        return None
+        return None, ""
     given = [name for name in ("json_", "regex", "grammar", "choice") if getattr(so, name) is not None]
     if len(given) != 1:
         raise BadRequest("structured_outputs takes exactly one of json, regex, grammar or choice",
                          "structured_outputs")
     kind = given[0]
+    field = f"structured_outputs.{kind.rstrip('_')}"  # json_ is the body's "json"
     if kind == "json_":
         schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
-        return inference_pb2.StructuredOutput(json_schema=schema)
+        return inference_pb2.StructuredOutput(json_schema=schema), field
     if kind == "choice":
-        return inference_pb2.StructuredOutput(choice=inference_pb2.Choices(choices=so.choice))
-    return inference_pb2.StructuredOutput(**{kind: getattr(so, kind)})
+        return inference_pb2.StructuredOutput(choice=inference_pb2.Choices(choices=so.choice)), field
+    return inference_pb2.StructuredOutput(**{kind: getattr(so, kind)}), field
 
 
 def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOutput | None:
@@ -185,6 +189,24 @@ def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOut
     if single:
         schema["maxItems"] = 1
     return inference_pb2.StructuredOutput(json_schema=json.dumps(schema))
+
+
+# How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
+_GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
+# Where `_placed` puts a tool's definitions, named back as the body has them:
+# "/$defs/function0/$defs/Inner" is "tools[0].function.parameters#/$defs/Inner".
+_PLACED_TOOL = re.compile(r"#?/\$defs/function(\d+)((?:/[^\s'\"]*)?)")
+
+
+def named_as_in_body(message: str, constraint_field: str) -> str:
+    """An admission refusal's message with the constraint named by the body field it came from."""
+    if not constraint_field:
+        return message
+    message = _GRPC_CONSTRAINT.sub(constraint_field, message, count=1)
+    if constraint_field == "tools":
+        message = _PLACED_TOOL.sub(lambda m: f"tools[{m[1]}].function.parameters" + (f"#{m[2]}" if m[2] else ""),
+                                   message)
+    return message
 
 
 def _placed(parameters: dict, index: int, defs: dict[str, dict]) -> dict:
@@ -291,24 +313,12 @@ def _truncate(body: _Sampling) -> int:
     return body.truncate_prompt_tokens or 0
 
 
-def _presentation(body: _Sampling, echo: bool, logprobs: int | None, limits: GatewayConfig) -> Presentation:
+def _presentation(body: _Sampling, echo: bool, logprobs: int | None, limits: GatewayConfig,
+                  constraint_field: str) -> Presentation:
     if not 1 <= body.n <= limits.max_n:
         raise BadRequest(f"n must be in [1, {limits.max_n}] (gateway.max_n), got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options needs stream: true", "stream_options")
     return Presentation(n=body.n, stream=body.stream,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage), echo=echo,
-                        logprobs=logprobs, return_token_ids=body.return_token_ids,
-                        constraint_field=_constraint_field(body))
-
-
-def _constraint_field(body: _Constrained) -> str:
-    fmt, so = body.response_format, body.structured_outputs
-    if fmt is not None and fmt.type == "json_schema":
-        return "response_format.json_schema.schema"
-    if fmt is not None and fmt.type == "json_object":
-        return "response_format"
-    for name, field in (("json_", "json"), ("regex", "regex"), ("grammar", "grammar"), ("choice", "choice")):
-        if so is not None and getattr(so, name) is not None:
-            return f"structured_outputs.{field}"
-    return ""
+                        logprobs=logprobs, return_token_ids=body.return_token_ids, constraint_field=constraint_field)

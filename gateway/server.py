@@ -199,8 +199,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker has id {request.worker_id!r}; known: "
                                                            f"{sorted(self.dispatcher.registry.workers)}")
         try:
-            reply = await self.dispatcher.probe(request.worker_id, request.deep, request.memory_report,
-                                                self.config.gateway.probe_timeout_s)
+            reply = await self.dispatcher.probes.ask(request.worker_id, request.deep, request.memory_report,
+                                                     self.config.gateway.probe_timeout_s)
         except (asyncio.TimeoutError, ConnectionError) as e:
             # str() of a TimeoutError is empty: say what happened.
             why = (f"no answer within gateway.probe_timeout_s = {self.config.gateway.probe_timeout_s:g} s"

@@ -172,6 +172,10 @@ class WorkerRegistry:
     def live(self, now_s: float) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if self.is_alive(w, now_s)]
 
+    def all_stopping(self) -> bool:
+        """Every worker's latest heartbeat said it was stopping: once gone, none comes back."""
+        return all(w.stopping for w in self.workers.values())
+
     def largest_pool_tokens(self, now_s: float) -> int:
         """The most prompt + output tokens one request can hold on any live worker (its whole KV
         pool); 0 before any has reported."""
