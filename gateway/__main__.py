@@ -18,7 +18,7 @@ from gateway.listen import ListenError, check_can_listen
 from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args
 from shared.cpu_affinity import GATEWAY, pin_process
 from shared.ipc import EndpointInUseError, check_no_listener, remove_stale_ipc_socket
-from shared.supervisor import supervise
+from shared.supervisor import EXIT_DO_NOT_RESTART, supervise
 
 SUPERVISE_FLAG = "--supervise"
 # Past the drain grace: the gateway's own gRPC stop (1 s) and dispatcher shutdown.
@@ -54,10 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     if cores := pin_process(GATEWAY, config):
         log.info("pinned to cores %s (worker.reserved_cores)", cores)
     from gateway.server import Gateway
+    from gateway.tokenizer import TokenizerError
 
     async def run() -> int:
         try:
-            return await Gateway(config).serve()
+            gateway = Gateway(config)
+        except TokenizerError as e:  # every start would fail the same way: no restart
+            log.error("%s", e)
+            return EXIT_DO_NOT_RESTART
+        try:
+            return await gateway.serve()
         except ListenError as e:  # raised only while binding, before anything is served
             log.error("%s", e)
             return 2

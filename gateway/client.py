@@ -197,6 +197,7 @@ def format_status(cluster: inference_pb2.ClusterStatus) -> str:
                      str(w.num_restarts)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"{w.worker_id} exited: {w.exit_reason}" for w in cluster.workers if w.exit_reason]
     lines.append(f"queued: {cluster.num_queued}{'  (draining)' if cluster.draining else ''}")
     return "\n".join(lines)
 

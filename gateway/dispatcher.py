@@ -177,7 +177,7 @@ class Dispatcher:
         elif kind == "exit":
             log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
                       envelope.exit.reason, len(worker.assigned))
-            lost = self.registry.mark_dead(envelope.worker_id)
+            lost = self.registry.mark_dead(envelope.worker_id, now, envelope.exit.reason)
             self.prefix_index.forget(envelope.worker_id)
             self._resume(lost, now)
             self._check_liveness(now)
@@ -188,7 +188,7 @@ class Dispatcher:
         if refused:
             self.metrics.workers_refused.labels("model").inc()
             if envelope.worker_id in self.registry.workers:  # an earlier incarnation's requests resume elsewhere
-                self._resume(self.registry.mark_dead(envelope.worker_id), now)
+                self._resume(self.registry.mark_dead(envelope.worker_id, now), now)
                 self.prefix_index.forget(envelope.worker_id)
                 self._check_liveness(now)
         return admitted

@@ -182,7 +182,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             entry = status.workers.add(worker_id=worker.worker_id, alive=registry.is_alive(worker, now),
                                        ready=registry.is_ready(worker, now),
                                        last_heartbeat_age_s=min(worker.heartbeat_age_s(now), 1e9),
-                                       num_restarts=max(0, worker.num_incarnations - 1))
+                                       num_restarts=max(0, worker.num_incarnations - 1),
+                                       exit_reason=worker.exit_reason)
             if hb is not None:
                 entry.num_running, entry.num_waiting = hb.num_running, hb.num_waiting
                 entry.kv_blocks_total, entry.kv_blocks_free = hb.kv_blocks_total, hb.kv_blocks_free

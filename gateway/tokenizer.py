@@ -4,7 +4,13 @@
 never import torch, so this reads the same files AutoTokenizer reads (`tokenizer.json` with the
 `tokenizers` library it wraps, `tokenizer_config.json` for special tokens and the chat template,
 rendered with jinja2 as transformers does); tests/test_gateway_tokenizer.py checks that both give
-identical ids, text and chat prompts. Encoding and rendering may run on several threads at once
+identical ids, text and chat prompts. `tokenizer.json` is used as written, BOS by its
+post-processor (where transformers reads `add_bos_token` too, it agrees). One known difference:
+transformers 5 rebuilds a `LlamaTokenizer`'s SentencePiece-style pipeline (a Metaspace
+pre-tokenizer that adds "▁" only before the first piece), so text right after a special token
+inside a string (`<s>[INST]` in Llama 2's and Mistral's chat templates) loses the "▁" the file's
+Prepend normalizer gives it; the gateway keeps the file's form, which is what transformers 4 and
+SentencePiece encoding each piece of text (Meta's reference chat code) produce. Encoding and rendering may run on several threads at once
 (gateway/offload.py): the Rust tokenizer is only read, and two threads rendering a template first
 at once at worst both compile it. Also the
 incremental detokenizer used for streaming, whose work per delta is a window of a few tokens, so
@@ -51,7 +57,10 @@ class Tokenizer:
         if not path.is_file():
             raise TokenizerError(f"{self.model_dir} has no tokenizer.json; the gateway needs a fast (tokenizers) "
                                  f"tokenizer saved beside the model")
-        self._tok = RustTokenizer.from_file(str(path))
+        try:
+            self._tok = RustTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises plain Exception
+            raise TokenizerError(f"{path} does not load as a tokenizers tokenizer: {e}") from e
         self._tok.no_padding()
         self._tok.no_truncation()
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # tokenizers < 0.21
@@ -59,7 +68,6 @@ class Tokenizer:
         self.model_config = _read_json(self.model_dir / "config.json")
         self.chat_template = self._load_chat_template()
         self.special = self._special_tokens()
-        self.add_bos = bool(self._config.get("add_bos_token", False))
         decoder = _read_json(path).get("decoder") or {}
         decoders = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
         self._byte_level = any(d.get("type") == "ByteLevel" for d in decoders)

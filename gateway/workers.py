@@ -32,6 +32,9 @@ class WorkerHandle:
     # Its latest heartbeat said it is stopping (SIGTERM): once gone it left on purpose, and no
     # supervisor brings this process back.
     stopping: bool = False
+    # Why its last process exited, as its WorkerExit said (cleared by its next heartbeat), and when.
+    exit_reason: str = ""
+    exited_s: float = -math.inf
 
     def heartbeat_age_s(self, now_s: float | None = None) -> float:
         return (time.monotonic() if now_s is None else now_s) - self.last_seen_s
@@ -100,6 +103,7 @@ class WorkerRegistry:
             worker.blocks_reserved = 0
         worker.last_seen_s = now_s
         if envelope.WhichOneof("body") == "heartbeat":
+            worker.exit_reason = ""
             worker.heartbeat = envelope.heartbeat
             worker.blocks_reserved = 0
             worker.stopping = envelope.heartbeat.is_draining
@@ -149,9 +153,10 @@ class WorkerRegistry:
             worker.was_alive = alive
         return dead
 
-    def mark_dead(self, worker_id: str) -> set[str]:
-        """A worker that said it is exiting: dead now; returns the requests it held."""
+    def mark_dead(self, worker_id: str, now_s: float, reason: str = "") -> set[str]:
+        """A worker that said it is exiting (and why): dead now; returns the requests it held."""
         worker = self.get(worker_id)
+        worker.exit_reason, worker.exited_s = reason, now_s
         lost = set(worker.assigned)
         worker.assigned.clear()
         worker.assigned_tokens.clear()
@@ -163,8 +168,8 @@ class WorkerRegistry:
     def forget_departed(self, now_s: float, after_s: float) -> list[str]:
         """Workers that joined by themselves and have been silent for `after_s`: removed, so the
         table follows the live set. The cluster's own workers stay listed (they come back)."""
-        gone = [w.worker_id for w in self.workers.values()
-                if w.worker_id not in self.local_ids and not w.assigned and now_s - w.last_seen_s > after_s]
+        gone = [w.worker_id for w in self.workers.values() if w.worker_id not in self.local_ids and not w.assigned
+                and now_s - max(w.last_seen_s, w.exited_s) > after_s]
         for worker_id in gone:
             del self.workers[worker_id]
         return gone

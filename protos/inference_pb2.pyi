@@ -196,7 +196,7 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "alive", "ready", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_heartbeat_age_s", "device", "num_restarts", "kv_blocks_cached", "utilization_percent", "hung", "memory_reserved_bytes", "memory_peak_bytes")
+    __slots__ = ("worker_id", "alive", "ready", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "memory_used_bytes", "memory_limit_bytes", "memory_level", "last_heartbeat_age_s", "device", "num_restarts", "kv_blocks_cached", "utilization_percent", "hung", "memory_reserved_bytes", "memory_peak_bytes", "exit_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class WorkerStatus(_message.Message):
     HUNG_FIELD_NUMBER: _ClassVar[int]
     MEMORY_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXIT_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     ready: bool
@@ -233,7 +234,8 @@ class WorkerStatus(_message.Message):
     hung: bool
     memory_reserved_bytes: int
     memory_peak_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., device: _Optional[str] = ..., num_restarts: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., hung: _Optional[bool] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ...) -> None: ...
+    exit_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., ready: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., memory_level: _Optional[str] = ..., last_heartbeat_age_s: _Optional[float] = ..., device: _Optional[str] = ..., num_restarts: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., hung: _Optional[bool] = ..., memory_reserved_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., exit_reason: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "num_queued", "draining")

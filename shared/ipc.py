@@ -351,11 +351,13 @@ class WorkerSocket:
             self.socket.disconnect(self.endpoint)
             self.socket.connect(self.endpoint)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long frames already sent may still take to leave (a last word, such
+        as WorkerExit, is worth the wait; a stale heartbeat is not)."""
         if self._monitor is not None:
             self.socket.disable_monitor()
             self._monitor.close(linger=0)
-        self.socket.close(linger=0)
+        self.socket.close(linger=linger_ms)
 
 
 def bind_gateway_socket(config) -> GatewaySocket:

@@ -5,7 +5,7 @@ gateway and each worker) is one of these: a small process that holds no model, n
 request, and restarts its child (`python -m gateway`, `python -m worker`) whenever it dies, with
 exponential backoff for crash loops. SIGTERM/SIGINT to the supervisor are passed on to the child,
 which drains and exits; the supervisor then exits 0 (1 if the child had to be killed or failed
-its drain). A child outlives neither a stop nor its supervisor: if the supervisor itself is
+its drain). A child that exits EXIT_DO_NOT_RESTART is not restarted. A child outlives neither a stop nor its supervisor: if the supervisor itself is
 killed, the kernel sends the child SIGTERM (Linux), so no model process is left orphaned.
 
 Standard library only: a supervisor must start in milliseconds and must not fail on whatever
@@ -30,6 +30,11 @@ _PR_SET_PDEATHSIG = 1
 # Exit statuses of a child that stopped because it was asked to: a child still starting up has
 # not installed its handlers yet, and dies of the signal itself.
 _CLEAN_STOPS = {0, -signal.SIGTERM, -signal.SIGINT}
+# A child that exits with this (sysexits' EX_CONFIG) found a fault it will find again on every
+# start (a model it cannot load, a tokenizer that is not there): the supervisor stops and exits
+# with it, so the fault shows (honcho stops the cluster naming it; Kubernetes shows the pod's
+# crash) instead of a restart loop that loads the model again and again.
+EXIT_DO_NOT_RESTART = 78
 
 
 def _load_prctl():
@@ -87,7 +92,8 @@ class Supervisor:
             pass
 
     def run(self) -> int:
-        """Until stopped: 0 when the last child stopped cleanly, else 1."""
+        """Until stopped: 0 when the last child stopped cleanly, else 1; EXIT_DO_NOT_RESTART
+        when the child exited with it."""
         delay = self.backoff_s
         while not self.stopping.is_set():
             started = time.monotonic()
@@ -99,6 +105,11 @@ class Supervisor:
             returncode = self._wait()
             if self.stopping.is_set():
                 break
+            if returncode == EXIT_DO_NOT_RESTART:
+                log.error("%s cannot start (exit %d: the reason is in its log above); not restarting it", self.name,
+                          returncode)
+                self.child = None
+                return EXIT_DO_NOT_RESTART
             delay = self.backoff_s if time.monotonic() - started > STABLE_RUN_S else delay
             log.warning("%s exited with %s; restarting in %.1f s", self.name, returncode, delay)
             self.child = None  # gone on its own: a stop during the backoff has nothing to drain

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker.model.config import ModelConfig, RopeConfig, UnsupportedModelError
+from worker.model.config import CheckpointError, ModelConfig, RopeConfig, UnsupportedModelError
 from worker.model.layers import rope_inverse_frequencies
 
 BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
@@ -29,6 +29,38 @@ BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=
 def test_unsupported_features_are_refused_by_name(extra, message):
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_dict({**BASE, **extra})
+
+
+def _without(key: str) -> dict:
+    return {k: v for k, v in BASE.items() if k != key}
+
+
+@pytest.mark.parametrize("config, message", [
+    (_without("num_attention_heads"), "config.json has no 'num_attention_heads'"),
+    (_without("vocab_size"), "config.json has no 'vocab_size'"),
+    ({**BASE, "vocab_size": None}, "config.json has no 'vocab_size'"),
+    ({**BASE, "hidden_size": "64"}, "'hidden_size' is '64'; it must be an integer"),
+    ({**BASE, "num_hidden_layers": 2.5}, "'num_hidden_layers' is 2.5; it must be an integer"),
+    ({**BASE, "intermediate_size": 0}, "'intermediate_size' is 0; it must be at least 1"),
+    ({**BASE, "rms_norm_eps": [1e-6]}, "'rms_norm_eps' is \\[1e-06\\]; it must be a number"),
+    ({**BASE, "rope_scaling": {"rope_type": "linear"}}, "rope_scaling has no 'factor'"),
+    ({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters has no 'factor'"),
+    ({**BASE, "rope_scaling": "linear"}, "'rope_scaling' is 'linear'; it must be an object"),
+    ({**BASE, "eos_token_id": "2"}, "'eos_token_id' is '2'; it must be a token id"),
+])
+def test_a_malformed_config_is_refused_naming_the_key(config, message):
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_dict(config)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ("{\"hidden_size\": 64,", "config.json does not read as JSON"),
+])
+def test_a_config_json_that_is_not_an_object_is_refused_naming_the_file(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        ModelConfig.from_model_dir(tmp_path)
 
 
 def test_qwen2_sliding_window_value_without_use_flag_is_accepted():

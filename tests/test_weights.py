@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_checkpoint
 from worker.kv_cache import bytes_per_block, num_blocks_for_budget
-from worker.model.config import ModelConfig
+from worker.model.config import CheckpointError, ModelConfig
 from worker.model.weights import load_model
 
 
@@ -67,7 +67,45 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
         load_model(path)
     del tensors["model.layers.0.self_attn.extra.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing weights: \['layers.1.mlp.gate_up_proj.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"missing weights: \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("resize, message", [
+    # The same total rows split wrongly between q and k would pass as the fused whole.
+    ({"model.layers.0.self_attn.q_proj.weight": 48, "model.layers.0.self_attn.k_proj.weight": 48},
+     r"weight model.layers.0.self_attn.(q_proj.weight has shape \(48, 64\), expected \(64, 64\)|"
+     r"k_proj.weight has shape \(48, 64\), expected \(32, 64\))"),
+    ({"model.layers.0.self_attn.k_proj.weight": 16},
+     r"weight model.layers.0.self_attn.k_proj.weight has shape \(16, 64\), expected \(32, 64\)"),
+    ({"model.layers.1.mlp.gate_proj.weight": 100, "model.layers.1.mlp.up_proj.weight": 156},
+     r"weight model.layers.1.mlp.gate_proj.weight has shape \(100, 64\), expected \(128, 64\)"),
+])
+def test_each_part_of_a_fused_weight_is_checked_under_its_own_name(tmp_path, resize, message):
+    path = make_checkpoint(tmp_path / "split", "llama", seed=5)
+    tensors = load_file(path / "model.safetensors")
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)  # the shapes the cases assume
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
+    assert tensors["model.layers.1.mlp.gate_proj.weight"].shape == (128, 64)
+    for name, rows in resize.items():
+        tensors[name] = torch.randn(rows, tensors[name].shape[1])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message):
+        load_model(path)
+
+
+def test_a_truncated_or_unindexed_shard_is_named(tmp_path):
+    path = make_checkpoint(tmp_path / "cut", "llama", seed=5)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"{weights} does not read as safetensors"):
+        load_model(path)
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="has no 'weight_map'"):
+        load_model(path)
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"names shards that are not in .*model-00002-of-00002"):
         load_model(path)
 
 

@@ -35,6 +35,7 @@ class FakeSocket:
     def __init__(self):
         self.inbox: list[worker_pb2.Envelope] = []
         self.sent: list[worker_pb2.Envelope] = []
+        self.closed_with_linger_ms: int | None = None
 
     def send(self, envelope: worker_pb2.Envelope) -> bool:
         self.sent.append(envelope)
@@ -44,8 +45,8 @@ class FakeSocket:
         frames, self.inbox = self.inbox, []
         return frames
 
-    def close(self) -> None:
-        pass
+    def close(self, linger_ms: int = 0) -> None:
+        self.closed_with_linger_ms = linger_ms
 
     def deltas(self) -> list[worker_pb2.TokenDelta]:
         return [d for e in self.sent if e.WhichOneof("body") == "outputs" for d in e.outputs.deltas]
@@ -542,4 +543,5 @@ def test_a_fatal_error_tells_the_gateway_and_exits_non_zero(llama_dir):
         faulthandler.unregister(signal.SIGUSR1)
     last = service.socket.sent[-1]
     assert last.WhichOneof("body") == "exit" and "injected fatal fault" in last.exit.reason
+    assert service.socket.closed_with_linger_ms > 0  # the exit frame is given time to leave
     assert not service.heartbeat.is_alive()

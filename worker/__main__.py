@@ -1,7 +1,8 @@
 """`python -m worker --worker-id worker-0 [--connect ENDPOINT] [--config FILE] [overrides]`: one model process.
 
 Loads the engine, connects to the gateway over ZeroMQ and serves until SIGTERM (exit 0).
-A fatal error exits non-zero so its supervisor (worker/supervisor.py) restarts it.
+A fatal error exits non-zero so its supervisor (worker/supervisor.py) restarts it; a checkpoint
+it refuses or cannot read exits EXIT_DO_NOT_RESTART, which its supervisor does not restart.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 from shared.config import add_config_flags, config_from_args
 from shared.cpu_affinity import pin_process
+from shared.supervisor import EXIT_DO_NOT_RESTART
 from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect
 from worker.process_environment import apply_model_process_environment
 
@@ -28,8 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("worker").info("pinned to cores %s", cores)
     if environment := apply_model_process_environment(config.worker.cpu_huge_pages, config.worker.cuda_alloc_conf):
         logging.getLogger("worker").info("torch environment: %s", " ".join(f"{k}={v}" for k, v in environment.items()))
+    from worker.model.config import CheckpointError, UnsupportedModelError
     from worker.service import WorkerService  # imports torch: after the environment is set
-    return WorkerService(config, args.worker_id).run()
+    try:
+        service = WorkerService(config, args.worker_id)
+    except (CheckpointError, UnsupportedModelError):
+        # Every start would fail the same way: no restart (the gateway was told why).
+        logging.getLogger("worker").exception("%s cannot load the model in %s", args.worker_id, config.model_dir)
+        return EXIT_DO_NOT_RESTART
+    return service.run()
 
 
 if __name__ == "__main__":

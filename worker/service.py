@@ -4,7 +4,9 @@ Aborts and new work are applied between steps, so an abort takes effect right af
 step in flight. On CUDA every step runs on the worker's own stream. The loop owns the
 engine; the heartbeat and watchdog threads only read. Memory (DESIGN.md section 4): the
 watchdog reports a level, this loop decides what it calls for, the scheduler and engine act.
-A fatal error tells the gateway (WorkerExit) and exits non-zero, so the supervisor restarts us.
+A fatal error tells the gateway (WorkerExit) and exits non-zero, so the supervisor restarts us;
+so does a model that fails to load, and one that never will (a checkpoint this engine refuses or
+cannot read) exits EXIT_DO_NOT_RESTART (worker/__main__.py), which its supervisor does not restart.
 
 KV events: after each step (before its outputs) the loop sends the prefix-cache blocks registered
 and dropped since the last report (KvEvents, seq 1, 2, ... per incarnation), and a full snapshot when the
@@ -40,6 +42,7 @@ from worker.watchdog import MemoryLevel, MemoryStatus, Watchdog
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
+EXIT_LINGER_MS = 1000  # how long a WorkerExit may take to leave before the process ends
 _PROBE_PREFIX = "\x00probe-"  # ids the gateway can never send (it rejects control characters)
 
 
@@ -58,7 +61,15 @@ class WorkerService:
         keys = transport_keys(config, WORKER)
         self.config = config
         self.worker_id = worker_id
-        self.engine = engine or Engine.from_model_dir(config.model_dir, engine_config(config))
+        self.incarnation = new_incarnation()
+        endpoint = config.worker_endpoint
+        # Connected while the model loads, so a load that fails can tell the gateway why.
+        self.socket = WorkerSocket(endpoint, worker_id, self.incarnation, keys=keys)
+        try:
+            self.engine = engine or Engine.from_model_dir(config.model_dir, engine_config(config))
+        except Exception as e:
+            self._say_goodbye(f"cannot load the model in {config.model_dir}: {type(e).__name__}: {e}")
+            raise
         self.engine.track_kv_events()
         self._kv_seq = 0  # the last KvEvents seq sent by this incarnation
         self.device = self.engine.device
@@ -69,9 +80,6 @@ class WorkerService:
         self.watchdog = Watchdog(read_memory or self.memory_reader, w.memory_limit_bytes, w.memory_high_fraction,
                                  w.memory_critical_fraction, w.memory_hysteresis_fraction, w.memory_poll_interval_s)
         self.progress = LoopProgress()
-        self.incarnation = new_incarnation()
-        endpoint = config.worker_endpoint
-        self.socket = WorkerSocket(endpoint, worker_id, self.incarnation, keys=keys)
         self.heartbeat = HeartbeatThread(endpoint, worker_id, self.incarnation, w.heartbeat_interval_s,
                                          StaticInfo(max_num_seqs=w.max_num_seqs, max_queued=w.max_queued,
                                                     block_size=self.engine.config.block_size,
@@ -116,9 +124,15 @@ class WorkerService:
             self.heartbeat.stop(send_last=reason is None)
             self.heartbeat.join(timeout=2)
             if reason is not None:
-                self.socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason)))
-            self.socket.close()
+                self._say_goodbye(reason)
+            else:
+                self.socket.close()
         return 0 if reason is None else 1
+
+    def _say_goodbye(self, reason: str) -> None:
+        """Tell the gateway this process is exiting and why (WorkerExit), then close the socket."""
+        self.socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason)))
+        self.socket.close(linger_ms=EXIT_LINGER_MS)
 
     def _on_signal(self, signum, _frame) -> None:
         log.info("%s: signal %d, stopping", self.worker_id, signum)

@@ -2,7 +2,8 @@
 
 Ray restarts an actor whose process dies, which is what replaces the local supervisor here: when
 the child exits on its own, the actor's process exits too (`on_exit`), and Ray starts a new actor
-that starts a new child. The child is started from a thread that lives as long as it does,
+that starts a new child; not after a child that exits EXIT_DO_NOT_RESTART (a model it cannot
+load), which would fail the same way in every new actor. The child is started from a thread that lives as long as it does,
 because Linux ties the parent-death signal to the thread that forked: when the actor's process
 dies (a node removed, `ray.kill`), the child gets SIGTERM and drains, so no model process is left
 behind holding a GPU. Standard library only.
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from shared.supervisor import die_with_parent
+from shared.supervisor import EXIT_DO_NOT_RESTART, die_with_parent
 
 log = logging.getLogger("deploy.ray")
 STOP_TIMEOUT_S = 20.0
@@ -71,6 +72,9 @@ class ChildProcess:
         if self.stopping.is_set():
             return
         log.error("%s exited with %s (log: %s)", self.argv[2:4], returncode, self.log_path)
+        if returncode == EXIT_DO_NOT_RESTART:  # it would fail the same way in a new actor: stay down
+            log.error("%s cannot start; not restarting it", self.argv[2:4])
+            return
         if time.monotonic() - started < CRASH_LOOP_RUN_S:
             time.sleep(CRASH_LOOP_DELAY_S)
         self._on_exit()

@@ -29,6 +29,18 @@ class UnsupportedModelError(ValueError):
     """The checkpoint uses an architecture or feature this engine does not implement."""
 
 
+class CheckpointError(ValueError):
+    """The checkpoint folder is malformed: a file missing or unreadable, a required key absent or
+    of the wrong type, a weight of the wrong shape. Loading it again fails the same way."""
+
+
+class MissingCheckpointFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs is not there."""
+
+
+_REQUIRED = object()
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -74,8 +86,14 @@ class ModelConfig:
     def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no config.json in model folder {model_dir}")
-        config = cls.from_dict(json.loads(path.read_text()))
+            raise MissingCheckpointFileError(f"no config.json in model folder {model_dir}")
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{path} does not read as JSON: {e}") from e
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{path} holds a JSON {type(hf).__name__}, not an object")
+        config = cls.from_dict(hf)
         eos = tuple(dict.fromkeys(config.eos_token_ids + _checkpoint_eos_ids(Path(model_dir))))
         return replace(config, eos_token_ids=eos)
 
@@ -83,26 +101,26 @@ class ModelConfig:
     def from_dict(cls, hf: dict) -> "ModelConfig":
         family = _family(hf)
         _refuse_unsupported(hf)
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        num_heads = _size(hf, "num_attention_heads")
+        hidden = _size(hf, "hidden_size")
+        num_kv_heads = _size(hf, "num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-        head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        head_dim = _size(hf, "head_dim", hidden // num_heads)
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             family=family,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=_size(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=_size(hf, "intermediate_size"),
+            num_layers=_size(hf, "num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number(hf, "rms_norm_eps", float, 1e-6),
             rope=_rope(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_size(hf, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias and never o bias; Llama/Qwen3 follow attention_bias.
             qkv_bias=True if family == "qwen2" else attention_bias,
@@ -113,6 +131,27 @@ class ModelConfig:
             eos_token_ids=_as_ids(hf.get("eos_token_id")),
             bos_token_id=hf.get("bos_token_id"),
         )
+
+
+def _number(values: dict, key: str, kind: type, default=_REQUIRED, where: str = "config.json"):
+    """`values[key]` as `kind` (a missing or null key takes `default`), or a CheckpointError
+    naming the key."""
+    value = values.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{where} has no {key!r}, which the model needs")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise CheckpointError(f"{where}'s {key!r} is {value!r}; it must be {'an integer' if kind is int else 'a number'}")
+    return kind(value)
+
+
+def _size(values: dict, key: str, default=_REQUIRED) -> int:
+    """A count or a dimension: a positive integer."""
+    value = _number(values, key, int, default)
+    if value < 1:
+        raise CheckpointError(f"config.json's {key!r} is {value}; it must be at least 1")
+    return value
 
 
 def _family(hf: dict) -> str:
@@ -156,10 +195,13 @@ def _refuse_unsupported(hf: dict) -> None:
 
 def _rope(hf: dict) -> RopeConfig:
     # transformers >= 5 writes rope_parameters; older checkpoints use rope_theta + rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
+    params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"config.json's {key!r} is {value!r}; it must be an object")
     params = {**scaling, **params}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    where = "config.json's " + ("rope_parameters" if hf.get("rope_parameters") else "rope_scaling")
+    theta = _number(params, "rope_theta", float, _number(hf, "rope_theta", float, 10000.0), where)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
@@ -167,14 +209,14 @@ def _rope(hf: dict) -> RopeConfig:
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+        return RopeConfig(theta=theta, rope_type="linear", factor=_number(params, "factor", float, where=where))
     return RopeConfig(
         theta=theta,
         rope_type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=_number(params, "factor", float, where=where),
+        low_freq_factor=_number(params, "low_freq_factor", float, 1.0, where),
+        high_freq_factor=_number(params, "high_freq_factor", float, 4.0, where),
+        original_max_position_embeddings=_number(params, "original_max_position_embeddings", int, 8192, where),
     )
 
 
@@ -182,7 +224,7 @@ def _checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
     """The end-of-sequence ids a checkpoint names beyond config.json, as the gateway's tokenizer
     reads them (gateway/tokenizer.py): generation_config.json's `eos_token_id` (where chat models
     name their end of turn, e.g. Llama 3's <|eot_id|>) and the tokenizer's `eos_token`."""
-    ids = list(_as_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")))
+    ids = list(_as_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id"), "generation_config.json"))
     eos = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if isinstance(eos, str):
@@ -203,9 +245,10 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _as_ids(value) -> tuple[int, ...]:
+def _as_ids(value, where: str = "config.json") -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise CheckpointError(f"{where}'s 'eos_token_id' is {value!r}; it must be a token id or a list of them")
+    return tuple(values)

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from worker.model.config import ModelConfig
+from worker.model.config import CheckpointError, MissingCheckpointFileError, ModelConfig
 from worker.model.placement import WeightPlacement
 from worker.model.quantized_checkpoint import install_quantized_shells, load_quantized_state, quantization_config
 from worker.model.transformer import Transformer
@@ -55,12 +55,20 @@ def compute_dtype_for(storage: torch.dtype, device: torch.device) -> torch.dtype
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in shards]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index} does not read as a JSON object: {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index} has no 'weight_map' of tensor names to shard files")
+        shards = [model_dir / name for name in sorted(set(weight_map.values()))]
+        if absent := [path.name for path in shards if not path.is_file()]:
+            raise MissingCheckpointFileError(f"{index} names shards that are not in {model_dir}: {absent[:4]}")
+        return shards
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(
+    raise MissingCheckpointFileError(
         f"no model.safetensors or model.safetensors.index.json in {model_dir} "
         "(only safetensors checkpoints are supported)")
 
@@ -125,6 +133,13 @@ def _our_name(hf_name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _part_rows(config: ModelConfig, fused: str) -> tuple[int, ...]:
+    """The output rows each checkpoint part of a fused parameter has."""
+    if "qkv_proj" in fused:
+        return config.q_size, config.kv_size, config.kv_size
+    return config.intermediate_size, config.intermediate_size
+
+
 def _load_weights(model: Transformer, files: list[Path], dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
     pending: dict[str, dict[int, torch.Tensor]] = {}  # fused parts until all have arrived
@@ -132,35 +147,54 @@ def _load_weights(model: Transformer, files: list[Path], dtype: torch.dtype) -> 
     unexpected: list[str] = []
     tied = model.config.tie_word_embeddings
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
-                    continue
-                name, part = _our_name(hf_name)
-                if name not in params:
-                    unexpected.append(hf_name)
-                    continue
-                tensor = f.get_tensor(hf_name)
-                if part is None:
-                    _copy(params[name], tensor, hf_name)
-                    loaded.add(name)
-                    continue
-                parts = pending.setdefault(name, {})
-                parts[part] = tensor
-                num_parts = len(next(p for fused, p in _FUSED.items() if fused in name))
-                if len(parts) == num_parts:
-                    _copy(params[name], torch.cat([parts[i] for i in range(num_parts)], dim=0), hf_name)
-                    loaded.add(name)
-                    del pending[name]
+        try:
+            _load_file(model.config, params, path, pending, loaded, unexpected, tied)
+        except (SafetensorError, OSError) as e:  # safetensors' own errors do not name the file
+            raise CheckpointError(f"{path} does not read as safetensors: {e}") from e
     if unexpected:
-        raise ValueError(f"checkpoint has weights this model does not expect: {sorted(unexpected)[:8]}")
-    missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
+        raise CheckpointError(f"checkpoint has weights this model does not expect: {sorted(unexpected)[:8]}")
+    # A fused parameter with some of its parts is missing those parts, by their checkpoint names.
+    absent_parts = [f"model.{name.replace(fused, part)}" for name, arrived in pending.items()
+                    for fused, parts in _FUSED.items() if fused in name
+                    for i, part in enumerate(parts) if i not in arrived]
+    missing = sorted(set(params) - loaded - set(pending) - ({"lm_head.weight"} if tied else set())) + absent_parts
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+        raise CheckpointError(f"checkpoint is missing weights: {missing[:8]}")
+
+
+def _load_file(config: ModelConfig, params: dict, path: Path, pending: dict, loaded: set, unexpected: list,
+               tied: bool) -> None:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for hf_name in f.keys():
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                continue
+            name, part = _our_name(hf_name)
+            if name not in params:
+                unexpected.append(hf_name)
+                continue
+            tensor = f.get_tensor(hf_name)
+            if part is None:
+                _copy(params[name], tensor, hf_name)
+                loaded.add(name)
+                continue
+            # Each part is checked on its own: a wrong split of the same total rows would
+            # pass as the fused whole and load garbage.
+            rows = _part_rows(config, name)
+            _check_shape(hf_name, tensor, (rows[part], *params[name].shape[1:]))
+            parts = pending.setdefault(name, {})
+            parts[part] = tensor
+            if len(parts) == len(rows):
+                _copy(params[name], torch.cat([parts[i] for i in range(len(rows))], dim=0), hf_name)
+                loaded.add(name)
+                del pending[name]
+
+
+def _check_shape(hf_name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise CheckpointError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
 
 
 def _copy(param: torch.nn.Parameter, tensor: torch.Tensor, hf_name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    _check_shape(hf_name, tensor, tuple(param.shape))
     with torch.no_grad():
         param.copy_(tensor.to(param.dtype))

@@ -1,0 +1,92 @@
+"""A model or tokenizer that can never load: the process says why and exits EXIT_DO_NOT_RESTART,
+which its supervisor does not restart (a restart loop would load the model again and again and
+show nothing). A worker tells the gateway first, so the status RPC names the reason, and the
+cluster's other workers keep serving."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from bench.cluster_process import _signal_group, free_port
+from cluster_harness import ROOT, Cluster, generate, write_config
+from shared.supervisor import EXIT_DO_NOT_RESTART, Supervisor
+
+pytestmark = pytest.mark.timeout(300)
+EXIT_BOUND_S = 120.0  # start -> the supervisor's exit: one torch import and a config read
+
+
+def test_the_supervisor_does_not_restart_a_child_that_exits_do_not_restart(tmp_path):
+    marker = tmp_path / "starts"
+    child = [sys.executable, "-c", f"open({str(marker)!r}, 'a').write('x'); raise SystemExit({EXIT_DO_NOT_RESTART})"]
+    supervisor = Supervisor("child", child, backoff_s=0.01, max_backoff_s=0.01)
+    thread = threading.Thread(target=lambda: setattr(supervisor, "result", supervisor.run()), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():
+        supervisor.stop()
+        thread.join(timeout=20)
+        pytest.fail(f"the supervisor kept restarting its child: {marker.read_text()!r}")
+    assert supervisor.result == EXIT_DO_NOT_RESTART and marker.read_text() == "x"
+
+
+def _run_until_exit(argv: list[str], log: Path) -> int:
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=EXIT_BOUND_S)
+        finally:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def test_a_worker_whose_model_cannot_load_tells_the_gateway_and_is_not_restarted(served_checkpoint, tmp_path):
+    moe = tmp_path / "moe"
+    shutil.copytree(served_checkpoint, moe)
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
+    with Cluster(served_checkpoint, num_workers=1).start() as cluster:
+        log = tmp_path / "worker-moe.log"
+        rc = _run_until_exit([sys.executable, "-m", "worker.supervisor", "--config", str(cluster.config_path),
+                              "--worker-id", "worker-moe", "--model-dir", str(moe)], log)
+        text = log.read_text()
+        assert rc == EXIT_DO_NOT_RESTART, text
+        assert text.count("started model process") == 1, text
+        assert "mixture of experts (num_local_experts=8) is not supported" in text
+        [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-moe"]
+        assert not entry.alive
+        assert entry.exit_reason.startswith(f"cannot load the model in {moe}: UnsupportedModelError: mixture of "
+                                            "experts"), entry.exit_reason
+        ids, _, _ = generate(cluster.stub, prompt_token_ids=[5, 6, 7], sampling=dict(max_tokens=4, ignore_eos=True))
+        assert len(ids) == 4
+
+
+def test_a_gateway_without_a_tokenizer_is_not_restarted(served_checkpoint, tmp_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(served_checkpoint, bare)
+    (bare / "tokenizer.json").unlink()
+    config = write_config(tmp_path / "cluster.toml", bare, tmp_path / "run", free_port(), num_workers=1)
+    log = tmp_path / "gateway.log"
+    rc = _run_until_exit([sys.executable, "-m", "gateway", "--supervise", "--config", str(config)], log)
+    text = log.read_text()
+    assert rc == EXIT_DO_NOT_RESTART, text
+    assert text.count("started gateway") == 1, text
+    assert f"{bare} has no tokenizer.json" in text
+
+
+@pytest.mark.parametrize("code, restarted", [(EXIT_DO_NOT_RESTART, False), (1, True)])
+def test_a_ray_actor_is_restarted_after_a_crash_but_not_after_do_not_restart(tmp_path, monkeypatch, code, restarted):
+    from deploy.ray import process
+    monkeypatch.setattr(process, "CRASH_LOOP_DELAY_S", 0.0)
+    exited = threading.Event()
+    child = process.ChildProcess([sys.executable, "-c", f"raise SystemExit({code})"], tmp_path / "child.log", ROOT,
+                                 on_exit=exited.set)
+    child._thread.join(timeout=30)
+    assert not child._thread.is_alive() and child.proc.returncode == code
+    assert exited.is_set() == restarted
