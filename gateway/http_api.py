@@ -155,7 +155,7 @@ class OpenAiApi:
             raise ApiError.from_code(e.code, e.message, e.retry_after_ms, logged=True) from None
         streaming = False
         try:
-            sequences = await self._admit(http, request_id, requests, presentation, arrival_s, timeout_s)
+            sequences = await self._admit(http, request_id, requests, presentation, arrival_s, timeout_s, chat)
             builder = ResponseBuilder(request_id, self.model, chat, presentation, self.texts)
             n = presentation.n
             # The echoed prompt, once per prompt (its n choices share it).
@@ -184,7 +184,7 @@ class OpenAiApi:
                 self.admission.release_stream(principal)
 
     async def _admit(self, http: Request, request_id: str, requests: list[inference_pb2.GenerateRequest],
-                     presentation: Presentation, arrival_s: float, timeout_s: float | None) -> Sequences:
+                     presentation: Presentation, arrival_s: float, timeout_s: float | None, chat: bool) -> Sequences:
         """Every sequence queued, or none. Every prompt is checked and tokenized first (watching
         for the client going away), then every sequence queued at once, so a bad or abandoned
         prompt costs no other prompt a dispatch; a queue refusal cancels those already queued."""
@@ -209,7 +209,10 @@ class OpenAiApi:
         except Refusal as e:
             self.admission.release_unqueued(prepared)
             message = named_as_in_body(e.message, presentation.constraint_field)
-            raise ApiError.from_code(e.code, message, e.retry_after_ms, logged=True) from None
+            error = ApiError.from_code(e.code, message, e.retry_after_ms, logged=True)
+            if chat and error.param == "prompt":  # a chat's prompt is its rendered messages
+                error.param = "messages"
+            raise error from None
         except BaseException:  # the client went away, or the handler was cancelled
             self.admission.release_unqueued(prepared)
             raise

@@ -43,11 +43,12 @@ class ApiError(Exception):
 # The fields a refusal's message may begin with (validation names the field first).
 _FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {
     "prompt_token_ids", "request_id", "messages", "logit_bias"}
-_LEADING_NAME = re.compile(r"^(?:the )?([a-z_]+)(\[\d+\])?")
+_LEADING_NAME = re.compile(r"^(?:the )?([a-z_]+)((?:\[\d+\]|\.[a-z_]+)*)")
 
 
 def param_of(message: str) -> str | None:
-    """The body field an admission message names first, as `param` (e.g. "temperature must be ...")."""
+    """The body field an admission message names first, as `param` (e.g. "temperature must be ...",
+    "response_format.json_schema.schema: ...": its whole path)."""
     match = _LEADING_NAME.match(message)
     if match and match.group(1) in _FIELDS:
         return match.group(1) + (match.group(2) or "")

@@ -105,7 +105,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     if constraint or tool_calls:
         request.sampling.structured_output.CopyFrom(constraint or tool_calls)
     for i, message in enumerate(body.messages):
-        content = message.content
+        content = message.content if message.content is not None else message.refusal
         if content is None and not message.tool_calls:
             raise BadRequest(f"messages[{i}].content is null; give the message's text"
                              + (" or its tool_calls" if message.role == "assistant" else ""), f"messages[{i}].content")
@@ -116,7 +116,8 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
         request.messages.add(
             role="system" if message.role == "developer" else message.role, content=content or "",
             name=message.name or "", tool_call_id=message.tool_call_id or "",
-            tool_calls_json=json.dumps([c.model_dump() for c in message.tool_calls]) if message.tool_calls else "")
+            tool_calls_json=json.dumps([c.model_dump(include=_CALL_FIELDS) for c in message.tool_calls])
+            if message.tool_calls else "")
     presentation = _presentation(body, False, logprobs, limits, "tools" if tool_calls is not None else constraint_field)
     if tool_calls is not None:
         presentation = dataclasses.replace(presentation, tool_calls=True)
@@ -191,6 +192,8 @@ def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOut
     return inference_pb2.StructuredOutput(json_schema=json.dumps(schema))
 
 
+# What of a tool call in the history reaches the chat template (the rest is the client's own).
+_CALL_FIELDS = {"id": True, "type": True, "function": {"name", "arguments"}}
 # How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
 _GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
 # Where `_placed` puts a tool's definitions, named back as the body has them:

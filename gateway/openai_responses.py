@@ -26,12 +26,21 @@ class TokenTexts:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+        self._shown: dict[int, bool] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def shown(self, token_id: int) -> bool:
+        """Whether the token is part of the answer's text: a special token (EOS among them) is not,
+        so it has no log-probability entry, and the entries' texts join to the answer's."""
+        shown = self._shown.get(token_id)
+        if shown is None:
+            shown = self._shown[token_id] = self._tokenizer.decode([token_id]) != "" or self(token_id) == ""
+        return shown
 
     def bytes_of(self, token_id: int) -> list[int]:
         """The token's raw bytes (a part of a character where its text alone is U+FFFD)."""
@@ -79,6 +88,7 @@ def completion_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts, offset:
     """The legacy completions format: parallel lists, `text_offset` counted from `offset` over each
     token's own text (as OpenAI's: where a character spans tokens, those texts are U+FFFD and the
     offsets run ahead of the joined text)."""
+    logprobs = [e for e in logprobs if texts.shown(e.token_id)]
     tokens, offsets = [], []
     for entry in logprobs:
         offsets.append(offset)
@@ -102,7 +112,7 @@ def chat_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts) -> dict:
         return {"token": texts(token_id), "logprob": logprob, "bytes": texts.bytes_of(token_id)}
 
     return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, p) for t, p in e.top]}
-                        for e in logprobs]}
+                        for e in logprobs if texts.shown(e.token_id)]}
 
 
 class ResponseBuilder:
@@ -150,8 +160,10 @@ class ResponseBuilder:
     def opening(self, choices: list[Choice]) -> list[str]:
         """What a stream starts with: the assistant role (chat) or the echoed prompt (completions)."""
         if self.chat:
-            return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}, first_of=c) for c in choices]
+            # An answer of tool calls has no content, as the whole answer's message says (null).
+            content = None if self.presentation.tool_calls else ""
+            return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": content},
+                                 "logprobs": None, "finish_reason": None}, first_of=c) for c in choices]
         if self.presentation.echo:
             return [self._chunk({"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None},
                                 first_of=c) for c in choices]
@@ -185,7 +197,7 @@ class ResponseBuilder:
                 # Counted the way the whole answer counts it: the echo, then each token's own text.
                 offset = len(c.prefix) if c.logprob_offset < 0 else c.logprob_offset
                 entry["logprobs"] = completion_logprobs(logprobs, self.texts, offset)
-                c.logprob_offset = offset + sum(len(self.texts(e.token_id)) for e in logprobs)
+                c.logprob_offset = offset + sum(len(t) for t in entry["logprobs"]["tokens"])
         if p.return_token_ids:
             entry["token_ids"] = token_ids
         return self._chunk(entry, first_of=c)

@@ -9,7 +9,7 @@ truncate_prompt_tokens), a request-level `timeout` in seconds, and `speculative_
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -101,15 +101,21 @@ class TextPart(_Request):
     text: str
 
 
+# An answer's message goes back into the next request's history as the openai client holds it, so
+# the fields its answer (and its stream and parse helpers) add are taken and ignored: the calls'
+# `index` and `parsed_arguments`, the message's `parsed` and `annotations`, and a null `audio` and
+# `function_call` (neither of which this server ever answers with).
 class CalledFunction(_Request):
     name: str
     arguments: str = Field(description="the call's arguments as JSON text")
+    parsed_arguments: Any = Field(None, description="ignored (the openai client's parse helpers add it)")
 
 
 class ToolCall(_Request):
     id: str
     type: Literal["function"]
     function: CalledFunction
+    index: int | None = Field(None, description="ignored (a streamed call's position)")
 
 
 class ChatMessage(_Request):
@@ -118,14 +124,28 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls (its content may be null)")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
-    refusal: str | None = Field(None, description="an assistant's refusal, as OpenAI's messages carry it")
+    refusal: str | None = Field(None, description="an assistant's refusal, as OpenAI's messages carry it (its text "
+                                "when content is null)")
+    annotations: list | None = Field(None, description="ignored")
+    parsed: Any = Field(None, description="ignored (the openai client's parse helpers add it)")
+    audio: None = Field(None, description="only null: this server answers no audio")
+    function_call: None = Field(None, description="only null: the deprecated form of tool_calls")
 
 
 class FunctionDefinition(_Request):
     name: str = Field(pattern=FUNCTION_NAME_PATTERN, description="letters, digits, _ and -, 1-64 of them (OpenAI's rule)")
     description: str | None = None
-    parameters: dict | None = None
+    parameters: dict | None = Field(None, description="a JSON Schema of an object: a call's arguments are one")
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict | None) -> dict | None:
+        kind = (parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f"a function's parameters must be a JSON Schema of an object (type \"object\"), "
+                             f"not {kind!r}: its arguments are a JSON object")
+        return parameters
 
 
 class Tool(_Request):

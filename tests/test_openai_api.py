@@ -437,6 +437,28 @@ def test_logprob_bytes_rebuild_the_text_and_streamed_offsets_equal_whole(client)
     assert [t for lp in streamed for t in lp.tokens] == whole.tokens
 
 
+def test_the_end_of_sequence_token_has_no_logprob_entry(client):
+    """An answer that ends on EOS counts it in usage, but its text has none of it, and neither do
+    its log-probabilities (OpenAI lists no end token), whole or streamed."""
+    eos_after_four = dict(model=MODEL, max_tokens=16, temperature=0, logit_bias={"0": -100, "1": -100, "2": 100},
+                          extra_body={"min_tokens": 4})
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hello"}], logprobs=True,
+                                          **eos_after_four)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" and chat.usage.completion_tokens == 5
+    assert len(choice.logprobs.content) == 4
+    raw = b"".join(bytes(e.bytes) for e in choice.logprobs.content)
+    assert raw.decode("utf-8", errors="replace") == choice.message.content
+    whole = client.completions.create(prompt="hello", logprobs=1, **eos_after_four).choices[0]
+    assert whole.finish_reason == "stop" and "".join(whole.logprobs.tokens) == whole.text
+    assert len(whole.logprobs.tokens) == len(whole.logprobs.text_offset) == 4
+    streamed = [c.choices[0].logprobs for c in client.completions.create(prompt="hello", logprobs=1, stream=True,
+                                                                         **eos_after_four)
+                if c.choices[0].logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.logprobs.text_offset
+
+
 def test_turns_of_one_session_find_the_previous_turns_cached_on_their_worker(base_url, cluster, tokenizer):
     """Six conversations of three turns at once over two workers: with `user` as the session, each
     turn goes to the worker of the turn before and finds that turn's prompt in its prefix cache."""

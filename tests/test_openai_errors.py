@@ -98,6 +98,11 @@ BAD_BODIES = [
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), 400,
      "function.name"),
     ("/v1/completions", completion(prompt=["a", ""]), 400, "prompt[1]"),
+    # A call's arguments are a JSON object, so a function's parameters schema is one (OpenAI's rule).
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "integer"}}}]), 400, "tools.0.function.parameters"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "x", "audio": {"id": "a1"}}]), 400,
+     "messages.0.audio"),
     # A tool's dangling reference is named where the body has it, whichever tool the choice picks.
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "ok"}}, {
         "type": "function", "function": {"name": "bad", "parameters": {
@@ -275,8 +280,16 @@ def test_openai_nullable_fields_sent_as_null_take_their_defaults(http):
 
 def test_admission_refusals_name_their_field_as_param(http):
     for fields, param in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-                          (dict(min_tokens=10), "min_tokens")):
+                          (dict(min_tokens=10), "min_tokens"),
+                          (dict(structured_outputs={"regex": "(unclosed"}), "structured_outputs.regex")):
         r = http.post("/v1/completions", json=completion(**fields))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}
+    for fields, param in ((dict(response_format=schema), "response_format.json_schema.schema"),
+                          # a chat has no prompt field: its prompt is its rendered messages
+                          (dict(messages=[{"role": "user", "content": "x " * (SERVED_MAX_POSITIONS + 1)}]),
+                           "messages")):
+        r = http.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 

@@ -140,6 +140,21 @@ def test_cut_mid_structure_ends_length_and_says_why(engine, compiler, tokenizer)
     assert out.finish_reason == "length" and "structure" in out.error
 
 
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},  # no finite value: llguidance's item limit
+    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}},  # its row limit
+])
+def test_a_grammar_that_meets_the_matchers_limits_mid_output_ends_length_not_stop(engine, compiler, tokenizer,
+                                                                                   schema):
+    """These schemas compile, but the matcher meets one of its limits after the first token and
+    enters its error state, which llguidance also reports as stopped: the output ("[" or "{") is
+    no complete answer, so it must not end `stop`."""
+    grammar = compiler.grammar(pb.StructuredOutput(json_schema=json.dumps(schema)))
+    [out] = engine.generate([tokenizer.encode("x")], [params(grammar, max_tokens=16, seed=1)], use_tqdm=False)
+    assert out.finish_reason == "length", (out.finish_reason, tokenizer.decode(out.token_ids))
+    assert "dead end of its constraint" in out.error
+
+
 def test_tokens_that_do_not_fit_the_grammar_are_refused_at_admission(engine, compiler, tokenizer):
     from worker.engine import RequestRejectedError
     grammar = compiler.grammar(pb.StructuredOutput(regex="[0-9]+"))

@@ -13,6 +13,7 @@ import time
 import grpc
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from bench.cluster_process import free_port
@@ -117,6 +118,45 @@ def test_a_tool_call_and_its_result_go_back_to_the_model(client, tokenizer):
     assert second.prompt_token_ids == tokenizer.encode_chat([
         {"role": "user", "content": "Who?"}, {"role": "assistant", "content": written},
         {"role": "tool", "content": "12 C"}])
+
+
+def test_messages_of_the_clients_stream_and_parse_helpers_go_back_as_they_came(client):
+    """The openai client's helpers return messages with fields of their own (`parsed`,
+    `parsed_arguments`, `annotations`, a call's `index`, null `audio` and `function_call`): the
+    tool loop appends them to the history as they came, and the next request takes them."""
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    fields = ask(seed=3, tools=[strict_weather], tool_choice="required", max_tokens=200)
+    with client.chat.completions.stream(**fields) as stream:
+        chunks = list(stream)
+        streamed = stream.get_final_completion().choices[0].message
+    opening = next(c for c in chunks if c.type == "chunk").chunk.choices[0].delta
+    assert opening.role == "assistant" and opening.content is None  # as the whole answer's: no content
+    parsed = client.chat.completions.parse(**fields).choices[0].message
+    for message in (streamed, parsed):
+        assert message.content is None and message.tool_calls
+        history = [fields["messages"][0], message] + [{"role": "tool", "tool_call_id": call.id, "content": "12 C"}
+                                                      for call in message.tool_calls]
+        r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+
+    answer = client.chat.completions.parse(model=MODEL, messages=fields["messages"], response_format=Person,
+                                           max_tokens=60, temperature=0).choices[0].message
+    assert answer.parsed is not None
+    r = client.chat.completions.create(model=MODEL, messages=[*fields["messages"], answer,
+                                                              {"role": "user", "content": "Another?"}], max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_assistant_message_of_only_a_refusal_is_read_as_its_text(client, tokenizer):
+    r = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": "Who?"}, {"role": "assistant", "content": None, "refusal": "I cannot say."},
+        {"role": "user", "content": "Why?"}], extra_body={"return_token_ids": True})
+    assert r.prompt_token_ids == tokenizer.encode_chat([
+        {"role": "user", "content": "Who?"}, {"role": "assistant", "content": "I cannot say."},
+        {"role": "user", "content": "Why?"}])
 
 
 def call_arguments(response) -> str:

@@ -48,8 +48,10 @@ class Constraint:
     @property
     def is_done(self) -> bool:
         """The grammar is complete and allows nothing more (its EOS was taken, or it has no
-        continuation): the request ends here, `stop`."""
-        return self.matcher.is_stopped()
+        continuation): the request ends here, `stop`. A matcher in its error state reports itself
+        stopped too (a refused token, or one of llguidance's limits met mid-output, e.g. a row of
+        more than 2,000 Earley items): that is a dead end, never a completed output."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     @property
     def dead_end(self) -> str:

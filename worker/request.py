@@ -110,11 +110,11 @@ class Request:
         also ends `stop` where its grammar is complete, and `length` (with `error` saying why) where
         it can go no further or max_tokens cuts it inside its structure."""
         if self.constraint is not None:
-            if self.constraint.is_done:
-                return RequestStatus.FINISHED_STOPPED
             if self.constraint.dead_end:
                 self.error = f"the output reached a dead end of its constraint: {self.constraint.dead_end}"
                 return RequestStatus.FINISHED_LENGTH
+            if self.constraint.is_done:
+                return RequestStatus.FINISHED_STOPPED
             if self.num_output_tokens >= self.params.max_tokens:
                 self.error = "max_tokens ended the output inside the structure its constraint asks for"
                 return RequestStatus.FINISHED_LENGTH
