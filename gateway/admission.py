@@ -225,11 +225,14 @@ class Admission:
             self.release_unqueued([checked])
             raise
 
-    def cancel(self, states: list[RequestState]) -> None:
-        """Stop whichever of `states` are still running (the client went away or one of them failed)."""
+    def cancel(self, states: list[RequestState], code: grpc.StatusCode | None = None) -> None:
+        """Stop whichever of `states` are still running (the client went away or one of them failed;
+        `code`: the status the request ends with). Their finish reason is "error" for a deadline,
+        however it was noticed first (our timer or the RPC's), else "abort"."""
+        reason = "error" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "abort"
         for state in states:
             if not state.is_finished:
-                self.dispatcher.cancel(state.internal_id)
+                self.dispatcher.cancel(state.internal_id, reason)
 
     # ---- refusals ----------------------------------------------------------------------------------
     def refuse(self, request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None,

@@ -27,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.admission import Admission, Refusal, choice_params
 from gateway.auth import ANONYMOUS, Principal
@@ -73,7 +74,7 @@ class OpenAiApi:
                       docs_url=None, redoc_url=None)
         app.add_exception_handler(ApiError, self._answer_error)
         app.add_exception_handler(RequestValidationError, lambda r, e: self._answer_error(r, validation_error(e)))
-        app.add_exception_handler(StarletteHTTPException, lambda r, e: self._answer_error(r, http_error(e)))
+        app.add_exception_handler(StarletteHTTPException, self._answer_http_exception)
         app.add_exception_handler(Exception, internal_error)
         app.get("/v1/models", response_model=ModelList)(self.models)
         app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
@@ -100,6 +101,15 @@ class OpenAiApi:
         if not e.logged and http.url.path in GENERATE_PATHS and e.status in _LOG_STATUS:
             self.refused(http.headers.get("x-request-id", "-"), e.status, e.message, principal_of(http.scope))
         return e.response()
+
+    def _answer_http_exception(self, http: Request, e: StarletteHTTPException) -> Response:
+        # FastAPI reports a client that went away while sending its body as a 400 body-parse error:
+        # that client cancelled, and its request counts as such, not as a bad request.
+        if isinstance(e.__cause__, ClientDisconnect) and http.url.path in GENERATE_PATHS:
+            refuse_request(http.headers.get("x-request-id", "-"), grpc.StatusCode.CANCELLED.name,
+                           "the client went away while sending its body", self.metrics, principal_of(http.scope).name)
+            return Response(status_code=499)
+        return self._answer_error(http, http_error(e))
 
     def refused(self, request_id: str, status: int, message: str, principal: Principal = ANONYMOUS) -> None:
         refuse_request(request_id, _LOG_STATUS.get(status, "UNKNOWN"), message, self.metrics, principal.name)

@@ -73,7 +73,7 @@ class Sequences:
         code = code or self.outcome
         for task in self._tasks:
             task.cancel()
-        self.admission.cancel(self.states)
+        self.admission.cancel(self.states, code)
         for state in self.states:
             finish_request(state, (state.status_code or code).name, self.admission.metrics)
         return True

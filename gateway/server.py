@@ -127,7 +127,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     raise
                 finally:
                     # Cancelled, disconnected, deadline or done: make sure no worker keeps computing it.
-                    self.admission.cancel([state])
+                    self.admission.cancel([state], code)
                     finish_request(state, code.name, self.metrics)
         except Refusal as e:  # not authenticated, or no stream slot
             await _abort(context, e)

@@ -95,6 +95,8 @@ def test_deadline_mid_stream_is_deadline_exceeded(served_checkpoint):
         assert_accounted(cluster, before, "DEADLINE_EXCEEDED", ids)
         records = wait_records(cluster, ids)
         assert all(r[0]["completion_tokens"] > 0 for r in records.values()), "deadlines did not pass mid-stream"
+        # Whichever noticed the deadline first, the log's finish reason says it alike.
+        assert {r[0]["finish_reason"] for r in records.values()} == {"error"}
 
 
 def test_client_cancel_is_cancelled(cluster):
@@ -103,6 +105,7 @@ def test_client_cancel_is_cancelled(cluster):
     call.cancel()
     assert outcome(call) == grpc.StatusCode.CANCELLED
     assert_accounted(cluster, before, "CANCELLED", ["acct-cancel"])
+    assert wait_records(cluster, ["acct-cancel"])["acct-cancel"][0]["finish_reason"] == "abort"
 
 
 def test_deadline_while_queued_and_a_full_queue(cluster):
@@ -119,6 +122,7 @@ def test_deadline_while_queued_and_a_full_queue(cluster):
     blocker.cancel()
     assert [outcome(c) for c in queued] == [grpc.StatusCode.OK] * 2
     assert_accounted(cluster, before, "DEADLINE_EXCEEDED", ["acct-queued-deadline"])
+    assert wait_records(cluster, ["acct-queued-deadline"])["acct-queued-deadline"][0]["finish_reason"] == "error"
     assert_accounted(cluster, before, "RESOURCE_EXHAUSTED", ["acct-full"])
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -323,6 +324,25 @@ def test_http_layer_refusals_are_logged_and_counted(http, cluster):
     assert records["log-413"]["status_code"] == "RESOURCE_EXHAUSTED"
     after = metric(cluster.metrics(), "inference_request_rejections_total", reason="not_found")
     assert after == before + 1
+
+
+def test_a_client_gone_while_sending_its_body_is_cancelled_not_a_bad_request(cluster):
+    from gateway_fake_cluster import metric
+    before = {reason: metric(cluster.metrics(), "inference_request_rejections_total", reason=reason)
+              for reason in ("cancelled", "invalid_argument")}
+    body = json.dumps(completion(prompt="x" * 4000)).encode()
+    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=10) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+                    b"x-request-id: half-a-body\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+                    + body[: len(body) // 2])
+    deadline = time.monotonic() + 10
+    while not (records := [r for r in cluster.request_records() if r["request_id"] == "half-a-body"]):
+        assert time.monotonic() < deadline, "no request-log line for the abandoned body"
+        time.sleep(0.05)
+    assert [r["status_code"] for r in records] == ["CANCELLED"]
+    after = {reason: metric(cluster.metrics(), "inference_request_rejections_total", reason=reason)
+             for reason in before}
+    assert after == {"cancelled": before["cancelled"] + 1, "invalid_argument": before["invalid_argument"]}
 
 
 def test_n_choices_answer_under_the_clients_request_id(http):
