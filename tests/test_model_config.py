@@ -41,6 +41,7 @@ def _without(key: str) -> dict:
     ({**BASE, "vocab_size": None}, "config.json has no 'vocab_size'"),
     ({**BASE, "hidden_size": "64"}, "'hidden_size' is '64'; it must be an integer"),
     ({**BASE, "num_hidden_layers": 2.5}, "'num_hidden_layers' is 2.5; it must be an integer"),
+    ({**BASE, "rms_norm_eps": math.inf}, "'rms_norm_eps' is inf; it must be a number"),
     ({**BASE, "intermediate_size": 0}, "'intermediate_size' is 0; it must be at least 1"),
     ({**BASE, "rms_norm_eps": [1e-6]}, "'rms_norm_eps' is \\[1e-06\\]; it must be a number"),
     ({**BASE, "rope_scaling": {"rope_type": "linear"}}, "rope_scaling has no 'factor'"),

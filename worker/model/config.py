@@ -141,7 +141,8 @@ def _number(values: dict, key: str, kind: type, default=_REQUIRED, where: str = 
         if default is _REQUIRED:
             raise CheckpointError(f"{where} has no {key!r}, which the model needs")
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (kind is int and value != int(value))):
         raise CheckpointError(f"{where}'s {key!r} is {value!r}; it must be {'an integer' if kind is int else 'a number'}")
     return kind(value)
 
