@@ -48,12 +48,25 @@ class WorkerHandle:
         return self.is_alive(timeout_s, now_s, heard_since_s) and self.heartbeat.ready
 
     def can_take(self) -> bool:
-        """Dispatchable: ready and below the HIGH memory level."""
-        return self.heartbeat is not None and self.heartbeat.ready and self.heartbeat.memory_level == "OK"
+        """Dispatchable: ready and below the HIGH memory level, or at HIGH with nothing to do. An
+        idle worker has nothing it can free, so it may sit at HIGH for good (its model alone near
+        the limit); it gets one request at a time, which its scheduler lets in when nothing runs,
+        as it does for its own queue, so it always progresses."""
+        hb = self.heartbeat
+        if hb is None or not hb.ready:
+            return False
+        return hb.memory_level == "OK" or (hb.memory_level == "HIGH" and self._idle())
+
+    def _idle(self) -> bool:
+        hb = self.heartbeat
+        return not self.assigned and hb.num_running == 0 and hb.num_waiting == 0
 
     def free_slots(self) -> int:
         hb = self.heartbeat
-        return 0 if hb is None else max(0, hb.max_num_seqs + hb.max_queued - len(self.assigned))
+        if hb is None:
+            return 0
+        slots = max(0, hb.max_num_seqs + hb.max_queued - len(self.assigned))
+        return min(slots, 1) if hb.memory_level != "OK" else slots
 
     def free_blocks(self) -> int:
         hb = self.heartbeat

@@ -17,8 +17,8 @@ TIMEOUT_S = 1.0
 
 
 def heartbeat(registry: WorkerRegistry, worker_id: str, now_s: float, **fields) -> set[str]:
-    hb = worker_pb2.Heartbeat(ready=True, max_num_seqs=4, max_queued=0, kv_blocks_total=100, kv_blocks_free=100,
-                              block_size=16, memory_level="OK", **fields)
+    hb = worker_pb2.Heartbeat(**{"ready": True, "max_num_seqs": 4, "max_queued": 0, "kv_blocks_total": 100,
+                                 "kv_blocks_free": 100, "block_size": 16, "memory_level": "OK", **fields})
     return registry.on_message(worker_pb2.Envelope(worker_id=worker_id, incarnation="i1", heartbeat=hb), now_s)
 
 
@@ -38,6 +38,26 @@ def test_assign_and_release_account_slots_and_blocks():
     assert not worker.can_take() and registry.pick(0.1, 1) is None
     heartbeat(registry, "w0", 0.2)
     assert registry.pick(0.2, 1) is worker
+
+
+def test_a_worker_at_high_memory_takes_one_request_while_idle_and_none_while_busy():
+    """An idle worker at HIGH has nothing to free and may stay there for good: it still gets one
+    request at a time (its scheduler lets one in when nothing runs), never a batch."""
+    registry = WorkerRegistry(["w0"], TIMEOUT_S)
+    heartbeat(registry, "w0", 0.0, memory_level="HIGH")
+    worker = registry.get("w0")
+    assert worker.can_take() and worker.free_slots() == 1 and registry.pick(0.1, 16) is worker
+    registry.assign("w0", "g-1", 16)
+    assert not worker.can_take() and registry.pick(0.1, 16) is None
+    registry.release("w0", "g-1")
+    heartbeat(registry, "w0", 0.2, memory_level="HIGH", num_running=1)  # its heartbeat still shows it running
+    assert not worker.can_take()
+    heartbeat(registry, "w0", 0.3, memory_level="HIGH", num_waiting=1)
+    assert not worker.can_take()
+    heartbeat(registry, "w0", 0.4, memory_level="CRITICAL")
+    assert not worker.can_take()
+    heartbeat(registry, "w0", 0.5)
+    assert worker.can_take() and worker.free_slots() == 4
 
 
 def test_a_restart_loses_what_the_old_incarnation_held():
