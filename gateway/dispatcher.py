@@ -143,7 +143,7 @@ class Dispatcher:
                 self._on_envelope(envelope, time.monotonic())
 
     def _on_envelope(self, envelope: worker_pb2.Envelope, now: float) -> None:
-        if not self._admits(envelope, now):
+        if self.registry.has_exited(envelope) or not self._admits(envelope, now):
             return
         worker = self.registry.get(envelope.worker_id)
         incarnations = worker.num_incarnations
@@ -175,9 +175,9 @@ class Dispatcher:
         elif kind == "probe_reply":
             self.probes.on_reply(envelope.probe_reply)
         elif kind == "exit":
-            log.error("%s is exiting: %s; resuming its %d requests", envelope.worker_id,
-                      envelope.exit.reason, len(worker.assigned))
-            lost = self.registry.mark_dead(envelope.worker_id, now, envelope.exit.reason)
+            log.log(logging.INFO if envelope.exit.stopping else logging.ERROR, "%s is exiting: %s; resuming its %d "
+                    "requests", envelope.worker_id, envelope.exit.reason, len(worker.assigned))
+            lost = self.registry.mark_dead(envelope.worker_id, now, envelope.exit.reason, envelope.exit.stopping)
             self.prefix_index.forget(envelope.worker_id)
             self._resume(lost, now)
             self._check_liveness(now)

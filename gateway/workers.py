@@ -35,6 +35,7 @@ class WorkerHandle:
     # Why its last process exited, as its WorkerExit said (cleared by its next heartbeat), and when.
     exit_reason: str = ""
     exited_s: float = -math.inf
+    exited_incarnation: str = ""  # its frames that arrive later (heartbeats travel apart) are dropped
 
     def heartbeat_age_s(self, now_s: float | None = None) -> float:
         return (time.monotonic() if now_s is None else now_s) - self.last_seen_s
@@ -101,6 +102,12 @@ class WorkerRegistry:
             self.workers[worker_id] = WorkerHandle(worker_id)
         return self.workers[worker_id]
 
+    def has_exited(self, envelope: worker_pb2.Envelope) -> bool:
+        """The frame comes from a process that said it exited (a heartbeat sent before its exit
+        that arrived after it): it must not bring the worker back to life."""
+        worker = self.workers.get(envelope.worker_id)
+        return worker is not None and worker.exited_incarnation == envelope.incarnation
+
     def on_message(self, envelope: worker_pb2.Envelope, now_s: float) -> set[str]:
         """Record that the worker is alive; returns the requests lost if it restarted."""
         worker = self.get(envelope.worker_id)
@@ -166,10 +173,12 @@ class WorkerRegistry:
             worker.was_alive = alive
         return dead
 
-    def mark_dead(self, worker_id: str, now_s: float, reason: str = "") -> set[str]:
-        """A worker that said it is exiting (and why): dead now; returns the requests it held."""
+    def mark_dead(self, worker_id: str, now_s: float, reason: str = "", stopping: bool = False) -> set[str]:
+        """A worker that said it is exiting (and why; `stopping`: a stop asked for): dead now;
+        returns the requests it held."""
         worker = self.get(worker_id)
-        worker.exit_reason, worker.exited_s = reason, now_s
+        worker.exit_reason, worker.exited_s, worker.exited_incarnation = reason, now_s, worker.incarnation
+        worker.stopping = worker.stopping or stopping
         lost = set(worker.assigned)
         worker.assigned.clear()
         worker.assigned_tokens.clear()

@@ -247,10 +247,12 @@ class ProbeReply(_message.Message):
     def __init__(self, probe_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., latency_ms: _Optional[float] = ..., memory_report: _Optional[str] = ...) -> None: ...
 
 class WorkerExit(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "stopping")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    stopping: bool
+    def __init__(self, reason: _Optional[str] = ..., stopping: _Optional[bool] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("version", "worker_id", "incarnation", "submit", "abort", "probe", "outputs", "heartbeat", "probe_reply", "exit", "kv_events", "kv_snapshot_request")

@@ -192,3 +192,33 @@ def test_honcho_start_keeps_the_cluster_up_when_a_model_process_or_the_gateway_d
     finally:
         cluster.stop()
         log.close()
+
+
+def test_a_worker_stopped_by_sigterm_hands_its_streams_on_at_once(served_checkpoint):
+    """A stopped worker leaves its unfinished requests behind like a crashed one, and says so
+    (WorkerExit, stopping): they resume on the other worker at once. The gateway's heartbeat
+    timeout here outlasts the streams' deadline, so a gateway that waited for missed heartbeats
+    would fail them DEADLINE_EXCEEDED."""
+    requests = {f"greedy-{i}": dict(prompt_token_ids=[5 + i, 6, 7, 8], sampling=dict(
+        max_tokens=3000, temperature=0.0, ignore_eos=True)) for i in range(4)}
+    sections = {"gateway": {"heartbeat_timeout_s": 200.0, "forget_worker_after_s": 200.0}}
+    with Cluster(served_checkpoint, num_workers=2, sections=sections) as cluster:
+        reference: dict = {}
+        for t in run_streams(cluster, requests, reference):
+            t.join(timeout=120)
+        assert all(not isinstance(r, Exception) for r in reference.values()), reference
+        results: dict = {}
+        threads = run_streams(cluster, requests, results)
+        deadline = time.monotonic() + 30
+        while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [worker] = cluster.model_pids("worker-0")
+        os.kill(worker, signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=150)
+        for name, want in reference.items():
+            got = results[name]
+            assert not isinstance(got, Exception), (name, got)
+            assert got[0] == want[0], name
+        [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-0"]
+        assert not entry.alive and entry.exit_reason == "stopped on a signal"

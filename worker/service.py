@@ -123,15 +123,13 @@ class WorkerService:
             # Heartbeats stop before the exit message, so none can make the gateway think us alive after it.
             self.heartbeat.stop(send_last=reason is None)
             self.heartbeat.join(timeout=2)
-            if reason is not None:
-                self._say_goodbye(reason)
-            else:
-                self.socket.close()
+            # A stop leaves the requests still here unfinished too: the gateway resumes them at once.
+            self._say_goodbye(reason or "stopped on a signal", stopping=reason is None)
         return 0 if reason is None else 1
 
-    def _say_goodbye(self, reason: str) -> None:
+    def _say_goodbye(self, reason: str, stopping: bool = False) -> None:
         """Tell the gateway this process is exiting and why (WorkerExit), then close the socket."""
-        self.socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason)))
+        self.socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason, stopping=stopping)))
         self.socket.close(linger_ms=EXIT_LINGER_MS)
 
     def _on_signal(self, signum, _frame) -> None:
