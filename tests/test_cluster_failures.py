@@ -34,21 +34,28 @@ def run_streams(cluster, requests: dict[str, dict], results: dict) -> list[threa
     return threads
 
 
+def reference_then_streams_running(cluster, requests: dict[str, dict]) -> tuple[dict, dict, list[threading.Thread]]:
+    """Each request's undisturbed result, then the same requests started again, returned once
+    worker-0 runs some of them (results fill in as their threads end)."""
+    reference: dict = {}
+    for t in run_streams(cluster, requests, reference):
+        t.join(timeout=120)
+    assert all(not isinstance(r, Exception) for r in reference.values()), reference
+    results: dict = {}
+    threads = run_streams(cluster, requests, results)
+    deadline = time.monotonic() + 30
+    while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return reference, results, threads
+
+
 def test_kill_9_of_a_worker_mid_stream_resumes_every_stream_elsewhere(served_checkpoint):
     requests = {f"greedy-{i}": dict(prompt_token_ids=[5 + i, 6, 7, 8], sampling=dict(
         max_tokens=400, temperature=0.0, ignore_eos=True)) for i in range(4)}  # long enough to be cut
     requests.update({f"seeded-{i}": dict(prompt_token_ids=[9, 10 + i], sampling=dict(
         max_tokens=400, temperature=1.0, seed=100 + i, ignore_eos=True)) for i in range(4)})
     with Cluster(served_checkpoint, num_workers=2, supervised=True) as cluster:
-        reference: dict = {}
-        for t in run_streams(cluster, requests, reference):
-            t.join(timeout=120)
-        assert all(not isinstance(r, Exception) for r in reference.values()), reference
-        results: dict = {}
-        threads = run_streams(cluster, requests, results)
-        deadline = time.monotonic() + 30
-        while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        reference, results, threads = reference_then_streams_running(cluster, requests)
         [victim] = cluster.model_pids("worker-0")
         time.sleep(0.2)  # mid-stream
         os.kill(victim, signal.SIGKILL)
@@ -203,15 +210,7 @@ def test_a_worker_stopped_by_sigterm_hands_its_streams_on_at_once(served_checkpo
         max_tokens=3000, temperature=0.0, ignore_eos=True)) for i in range(4)}
     sections = {"gateway": {"heartbeat_timeout_s": 200.0, "forget_worker_after_s": 200.0}}
     with Cluster(served_checkpoint, num_workers=2, sections=sections) as cluster:
-        reference: dict = {}
-        for t in run_streams(cluster, requests, reference):
-            t.join(timeout=120)
-        assert all(not isinstance(r, Exception) for r in reference.values()), reference
-        results: dict = {}
-        threads = run_streams(cluster, requests, results)
-        deadline = time.monotonic() + 30
-        while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        reference, results, threads = reference_then_streams_running(cluster, requests)
         [worker] = cluster.model_pids("worker-0")
         os.kill(worker, signal.SIGTERM)
         for t in threads:
