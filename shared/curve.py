@@ -318,7 +318,9 @@ def describe_handshake_failure(event: int, value: int) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         name = _PROTOCOL_ERRORS.get(int(value), str(int(value)))
         return f"protocol error {name}" + (f": {_PROTOCOL_HINTS[name]}" if name in _PROTOCOL_HINTS else "")
-    return f"the connection closed mid-handshake (errno {int(value)})"
+    return (f"the connection closed mid-handshake (errno {int(value)}): the gateway could not read this worker's "
+            f"CURVE hello, which is what a gateway.key other than the gateway's public key looks like (keys "
+            f"made again with --force while this worker kept the old ones?)")
 
 
 # ---- the policy ---------------------------------------------------------------------------------------

@@ -340,7 +340,11 @@ class WorkerSocket:
                 self._retry_at_s, self._retry_s = None, AUTH_RETRY_S
                 continue
             reason = describe_handshake_failure(kind, event["value"])
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._retry_at_s is None:
+            # A refused key is final for a ZeroMQ connection; a handshake the gateway cut (what a
+            # wrong gateway.key looks like from here) ZeroMQ would retry every 100 ms for ever.
+            # Both wait for our own backoff instead.
+            if self._retry_at_s is None:
+                self.socket.disconnect(self.endpoint)
                 self._retry_at_s = now + self._retry_s
                 self._retry_s = min(2 * self._retry_s, MAX_AUTH_RETRY_S)
             self._refusals.warn(reason, "the gateway at %s refused this worker (its CURVE public key %s; the gateway's "
@@ -348,7 +352,6 @@ class WorkerSocket:
                                 self.keys.public.decode(), self.keys.keys_dir, reason)
         if self._retry_at_s is not None and now >= self._retry_at_s:
             self._retry_at_s = None
-            self.socket.disconnect(self.endpoint)
             self.socket.connect(self.endpoint)
 
     def close(self, linger_ms: int = 0) -> None:

@@ -29,7 +29,8 @@ from shared.config import ConfigError, load_config
 from shared.curve import (GATEWAY, WORKER, AllowedKeys, RefusalLog, cluster_keys_dir, create_keys_dir,
                           key_files, load_client_keys, load_server_keys, public_file, secret_file, transport_keys,
                           write_keys)
-from shared.ipc import GatewaySocket, WorkerSocket, bind_gateway_socket, connect_worker_socket, encode
+from shared.ipc import (AUTH_RETRY_S, GatewaySocket, WorkerSocket, bind_gateway_socket, connect_worker_socket,
+                        encode)
 from tools import curve_keys
 
 HEARTBEAT = worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat(ready=True, max_num_seqs=64, kv_blocks_total=1000,
@@ -376,6 +377,9 @@ def test_a_worker_holding_another_gateway_key_is_refused(short_dir, caplog):
             # The worker says so too, naming its key and where it read it.
             message = await wait_for_log(caplog, lambda m: "refused this worker" in m)
             assert stranger.keys.public.decode() in message and str(short_dir / "other") in message
+            assert "gateway.key other than the gateway's public key" in message
+            # It waits for its own backoff before the next handshake, not ZeroMQ's 100 ms retry.
+            assert stranger._retry_at_s is not None and stranger._retry_s > AUTH_RETRY_S
         finally:
             stranger.close()
             gateway.close()
