@@ -54,6 +54,8 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         path = self.model_dir / "tokenizer.json"
+        if not self.model_dir.is_dir():
+            raise TokenizerError(f"the model folder {self.model_dir} (model_dir) does not exist")
         if not path.is_file():
             raise TokenizerError(f"{self.model_dir} has no tokenizer.json; the gateway needs a fast (tokenizers) "
                                  f"tokenizer saved beside the model")

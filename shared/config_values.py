@@ -2,6 +2,7 @@
 conversions `shared/config.py` applies to every section. Stdlib only."""
 from __future__ import annotations
 
+import math
 import tomllib
 import types
 import typing
@@ -43,6 +44,8 @@ def convert(hint, value: Any, name: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):  # NaN passes every range check; no setting means "for ever" by inf
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):

@@ -60,6 +60,9 @@ def test_every_value_has_a_flag_and_flags_override_the_file():
     ({"gateway.stream_interval": 0}, "gateway.stream_interval"),
     ({"gateway.stream_hold_ms": 0}, "gateway.stream_hold_ms"),
     ({"worker.quantization_calibration": "/no/such/calibration.txt"}, "worker.quantization_calibration"),
+    ({"gateway.heartbeat_timeout_s": float("inf")}, "gateway.heartbeat_timeout_s must be a finite number"),
+    ({"worker.memory_high_fraction": float("nan")}, "worker.memory_high_fraction must be a finite number"),
+    ({"worker.heartbeat_interval_s": 0.8}, "worker.heartbeat_interval_s must be at most half of gateway.heartbeat"),
 ])
 def test_bad_values_are_refused_by_name(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):

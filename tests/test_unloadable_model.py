@@ -90,3 +90,13 @@ def test_a_ray_actor_is_restarted_after_a_crash_but_not_after_do_not_restart(tmp
     child._thread.join(timeout=30)
     assert not child._thread.is_alive() and child.proc.returncode == code
     assert exited.is_set() == restarted
+
+
+def test_a_model_dir_that_does_not_exist_is_named_as_such(tmp_path):
+    from gateway.tokenizer import Tokenizer, TokenizerError
+    from worker.model.config import CheckpointError, ModelConfig
+    missing = tmp_path / "nowhere"
+    with pytest.raises(TokenizerError, match=f"the model folder {missing} \\(model_dir\\) does not exist"):
+        Tokenizer(missing)
+    with pytest.raises(CheckpointError, match=f"the model folder {missing} \\(model_dir\\) does not exist"):
+        ModelConfig.from_model_dir(missing)

@@ -34,9 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     from worker.service import WorkerService  # imports torch: after the environment is set
     try:
         service = WorkerService(config, args.worker_id)
-    except (CheckpointError, UnsupportedModelError):
-        # Every start would fail the same way: no restart (the gateway was told why).
-        logging.getLogger("worker").exception("%s cannot load the model in %s", args.worker_id, config.model_dir)
+    except (CheckpointError, UnsupportedModelError) as e:
+        # Every start would fail the same way: no restart (the gateway was told why). The message
+        # names the fault; a traceback would only bury it.
+        logging.getLogger("worker").error("%s cannot load the model in %s: %s: %s", args.worker_id, config.model_dir,
+                                          type(e).__name__, e)
         return EXIT_DO_NOT_RESTART
     return service.run()
 

@@ -85,6 +85,8 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise MissingCheckpointFileError(f"the model folder {model_dir} (model_dir) does not exist")
         if not path.is_file():
             raise MissingCheckpointFileError(f"no config.json in model folder {model_dir}")
         try:
