@@ -44,6 +44,7 @@ USER 10001:10001
 # gRPC API, OpenAI HTTP API, Prometheus metrics, the worker port (tcp://, CURVE).
 EXPOSE 50051 8080 8000 5555
 
-# The gateway on the default config with the project's own model (models/default). A real deployment
-# passes its own config, keys and flags (docs/deployment.md); the gateway then binds 0.0.0.0.
+# The gateway alone on the default config with the project's own model (models/default): it starts no
+# worker. A deployment passes each container its command, config, keys and flags (docs/deployment.md,
+# deploy/kubernetes); the gateway then binds 0.0.0.0.
 CMD ["python", "-m", "gateway", "--config", "configs/default.toml"]
