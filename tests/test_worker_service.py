@@ -5,6 +5,7 @@ step and a fatal error."""
 from __future__ import annotations
 
 import faulthandler
+import logging
 import signal
 import threading
 import time
@@ -545,3 +546,17 @@ def test_a_fatal_error_tells_the_gateway_and_exits_non_zero(llama_dir):
     assert last.WhichOneof("body") == "exit" and "injected fatal fault" in last.exit.reason
     assert service.socket.closed_with_linger_ms > 0  # the exit frame is given time to leave
     assert not service.heartbeat.is_alive()
+
+
+def test_a_worker_no_gateway_hears_says_so_every_interval_until_one_does(caplog):
+    from worker.transport import NO_GATEWAY_WARN_S, Unheard
+    caplog.set_level(logging.INFO, logger="worker.transport")
+    unheard = Unheard("tcp://127.0.0.1:1", clock=lambda: 0.0)
+    for now in (1.0, NO_GATEWAY_WARN_S - 0.1, NO_GATEWAY_WARN_S, NO_GATEWAY_WARN_S + 1, 2 * NO_GATEWAY_WARN_S + 0.5):
+        unheard.after_send(False, now)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("tcp://127.0.0.1:1" in w for w in warnings)
+    unheard.after_send(True, 3 * NO_GATEWAY_WARN_S)
+    assert "a gateway at tcp://127.0.0.1:1 takes" in caplog.records[-1].getMessage()
+    unheard.after_send(False, 3 * NO_GATEWAY_WARN_S + 1)  # lost again: counts from here
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2

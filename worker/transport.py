@@ -8,6 +8,8 @@ carries the seq of the last KvEvents report the loop sent, so the gateway can sp
 """
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +19,9 @@ from protos import worker_pb2
 from shared.curve import ClientKeys
 from shared.ipc import WorkerSocket
 from worker.watchdog import MemoryLevel, MemoryStatus
+
+log = logging.getLogger(__name__)
+NO_GATEWAY_WARN_S = 10.0  # how long without a gateway before the first warning, and between warnings
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,30 @@ def build_heartbeat(s: LoadSnapshot, info: StaticInfo, progress: LoopProgress, m
         model_fingerprint=info.model_fingerprint, model_name=info.model_name)
 
 
+class Unheard:
+    """Warns, every NO_GATEWAY_WARN_S while it lasts, that no gateway takes this worker's
+    heartbeats: a worker pointed at an endpoint where nobody listens (or started long before its
+    gateway) would otherwise say nothing after its "ready" line."""
+
+    def __init__(self, endpoint: str, clock: Callable[[], float] = time.monotonic):
+        self.endpoint = endpoint
+        self.since_s: float | None = clock()
+        self.warned_s = -math.inf
+
+    def after_send(self, delivered: bool, now_s: float) -> None:
+        if delivered:
+            if self.warned_s > -math.inf:
+                log.info("a gateway at %s takes this worker's heartbeats", self.endpoint)
+            self.since_s, self.warned_s = None, -math.inf
+            return
+        if self.since_s is None:
+            self.since_s = now_s
+        if now_s - self.since_s >= NO_GATEWAY_WARN_S and now_s - self.warned_s >= NO_GATEWAY_WARN_S:
+            self.warned_s = now_s
+            log.warning("no gateway has taken this worker's heartbeats at %s for %.0f s: is a gateway listening "
+                        "there (gateway.worker_endpoint / --connect)?", self.endpoint, now_s - self.since_s)
+
+
 class HeartbeatThread(threading.Thread):
     def __init__(self, endpoint: str, worker_id: str, incarnation: str, interval_s: float, info: StaticInfo,
                  progress: LoopProgress, memory: Callable[[], MemoryStatus], hung_after_s: float,
@@ -127,9 +156,10 @@ class HeartbeatThread(threading.Thread):
 
     def run(self) -> None:
         socket = WorkerSocket(*self._args, routed=False, keys=self._keys)
+        unheard = Unheard(socket.endpoint)
         try:
             while not self._stopped.is_set():
-                socket.send(self.heartbeat())
+                unheard.after_send(socket.send(self.heartbeat()), time.monotonic())
                 self._stopped.wait(self._interval_s)
             if self._send_last:  # a draining worker says so at once rather than going quiet
                 socket.send(self.heartbeat())
