@@ -202,3 +202,11 @@ def test_a_bad_spec_is_refused_before_anything_starts(served_checkpoint, tmp_pat
     assert "not config flags" in refused(*model, "--no-such-flag", "1")
     assert "gateway.port" in refused(*model, "--gateway.port", "-5")
     assert "--gpus-per-worker" in refused(*model, "--cpus-per-worker", "0")
+
+
+def test_a_ray_address_that_does_not_answer_is_named_at_once():
+    """`ray.init` waits minutes on an address nobody answers; the launcher says so at once."""
+    address = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, "-m", "deploy.ray", "status", "--name", "t", "--namespace", "x"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "RAY_ADDRESS": address})
+    assert done.returncode == 1 and f"no Ray cluster answers at RAY_ADDRESS={address}" in done.stderr, done

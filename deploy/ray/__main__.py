@@ -93,7 +93,7 @@ def print_status(report: dict) -> None:
 def run(parser: argparse.ArgumentParser, args, spec: DeploymentSpec | None) -> dict | None:
     """The command's report (None: nothing to print), or DeployError."""
     from deploy.ray import launcher  # imports ray: after the arguments are known to be good
-    launcher.connect(args.namespace)
+    launcher.connect(args.namespace)  # DeployError when RAY_ADDRESS does not answer
     try:
         return _command(parser, args, spec, launcher)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import uuid
 
@@ -22,6 +23,7 @@ from deploy.ray.spec import DeploymentSpec, worker_id
 log = logging.getLogger("deploy.ray")
 POLL_S = 0.5
 CALL_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
 STOP_SLACK_S = 15.0  # past a process's own drain: its exit and the actor's answer
 
 
@@ -40,8 +42,22 @@ class _NoGroupRestartWarning(logging.Filter):
 def connect(namespace: str) -> None:
     """Join the Ray cluster `RAY_ADDRESS` names (or the one running on this node), as Ray's tools do."""
     logging.getLogger("ray.actor").addFilter(_NoGroupRestartWarning())
-    ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", namespace=namespace, log_to_driver=False,
-             logging_level=logging.WARNING, configure_logging=False)
+    address = os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(address)
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
+             configure_logging=False)
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A RAY_ADDRESS of host:port must answer a TCP connect: `ray.init` waits on one that does not
+    for minutes without a word. ("auto" and ray:// addresses are Ray's own to find.)"""
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise DeployError(f"no Ray cluster answers at RAY_ADDRESS={address} ({e}); is its head running?") from None
 
 
 def disconnect() -> None:
