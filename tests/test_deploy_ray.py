@@ -2,7 +2,8 @@
 worker nodes, each a raylet with its own resources, all on this machine). `up` places the workers
 on different nodes and they serve greedy streams identical to the in-process engine; removing a
 node mid-stream resumes its streams on the other worker and Ray restarts the lost one on a new
-node; `scale` up and down while streams run; `down` leaves no process behind. A bad spec is
+node; `scale` up and down while streams run, and up again into the bundles scaling down left;
+`down` leaves no process behind. A bad spec is
 refused before anything starts."""
 from __future__ import annotations
 
@@ -181,6 +182,17 @@ def test_up_serve_lose_a_node_scale_and_down(served_checkpoint, ray_cluster, tmp
             report = deployment.status()
             assert [w["worker_id"] for w in report["workers"]] == ["worker-0"] and serving(report, 1)
             assert generate(stub, prompt_token_ids=prompts[0], sampling=SAMPLING)[0] == expected[0]
+
+            # Scale up again: the bundles the removed workers left in their placement groups stay
+            # reserved (a group cannot shrink), so the new worker takes one of them rather than
+            # asking the cluster for room it no longer has.
+            deployment.cli("scale", "2")
+            report = deployment.wait_for(lambda r: serving(r, 2), "two workers again")
+            groups = {w["worker_id"]: (w["placement_group"], w["bundle_index"]) for w in report["workers"]}
+            assert groups["worker-1"][0] == groups["worker-0"][0] and groups["worker-1"][1] != groups["worker-0"][1]
+            seen_pids |= {w["pid"] for w in report["workers"]}
+            served_by = {generate(stub, prompt_token_ids=p, sampling=SAMPLING)[2].worker_id for p in prompts * 2}
+            assert served_by == {"worker-0", "worker-1"}
     finally:
         down = deployment.cli("down", "--drain-s", "5", check=False)
     assert down.returncode == 0, down.stderr

@@ -93,11 +93,11 @@ class GatewayActor:
 
 
 class WorkerActor:
-    def __init__(self, spec: dict, index: int, placement_group: str):
+    def __init__(self, spec: dict, index: int, placement_group: str, bundle_index: int = 0):
         from deploy.ray.spec import worker_id
         self.spec = DeploymentSpec.from_dict(spec)
         self.worker_id = worker_id(index)
-        self.placement_group = placement_group
+        self.placement_group, self.bundle_index = placement_group, bundle_index
         self.spec.remove_state_dir(self.worker_id)  # nothing of a previous incarnation is reused
         self.state = self.spec.state_dir(self.worker_id)
         keys_dir = self.state / "keys"
@@ -119,7 +119,7 @@ class WorkerActor:
 
     def info(self) -> dict:
         return {**_node(), "worker_id": self.worker_id, "pid": self.child.pid, "alive": self.child.alive(),
-                "placement_group": self.placement_group, "host": socket.gethostname(),
+                "placement_group": self.placement_group, "bundle_index": self.bundle_index, "host": socket.gethostname(),
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "log": str(self.child.log_path)}
 
     def log_tail(self) -> str:

@@ -139,7 +139,13 @@ def _tail(actor) -> str:
 
 
 def add_workers(spec: DeploymentSpec, indices: list[int], wait_s: float) -> None:
-    """Place `indices` workers in a new placement group (one bundle each) and start them there."""
+    """Start `indices` workers: first in the bundles of this deployment's placement groups that
+    removed workers left free (a group cannot shrink, so its bundles stay reserved until its last
+    worker goes), then the rest in a new group of one bundle each."""
+    free = _free_bundles(spec)
+    for index, (group_name, bundle_index) in zip(indices, free):
+        _start_worker(spec, index, group_name, bundle_index)
+    indices = indices[len(free):]
     if not indices:
         return
     bundle = {"CPU": spec.cpus_per_worker} if spec.cpus_per_worker else {}
@@ -155,11 +161,35 @@ def add_workers(spec: DeploymentSpec, indices: list[int], wait_s: float) -> None
         raise DeployError(f"the Ray cluster has no room for {len(indices)} more worker(s) of {bundle} "
                           f"({spec.strategy}); `ray status` shows what it has") from None
     for bundle_index, index in enumerate(indices):
-        ray.remote(WorkerActor).options(
-            **_actor_options(spec, spec.worker_actor(index)), num_cpus=spec.cpus_per_worker,
-            num_gpus=spec.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
-        ).remote(spec.to_dict(), index, group_name)
+        _start_worker(spec, index, group_name, bundle_index)
+
+
+def _start_worker(spec: DeploymentSpec, index: int, group_name: str, bundle_index: int) -> None:
+    group = ray.util.get_placement_group(group_name)
+    ray.remote(WorkerActor).options(
+        **_actor_options(spec, spec.worker_actor(index)), num_cpus=spec.cpus_per_worker,
+        num_gpus=spec.gpus_per_worker,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index),
+    ).remote(spec.to_dict(), index, group_name, bundle_index)
+
+
+def _free_bundles(spec: DeploymentSpec) -> list[tuple[str, int]]:
+    """(group name, bundle index) of this deployment's bundles that no worker holds."""
+    held = set()
+    for handle in worker_handles(spec).values():
+        try:
+            info = _get(handle.info.remote())
+        except RayError:
+            return []  # a worker that cannot say where it is: reuse nothing rather than double-book
+        held.add((info["placement_group"], info.get("bundle_index", 0)))
+    return [(entry["name"], i) for entry in _groups(spec) if entry["state"] == "CREATED"
+            for i in range(len(entry["bundles"])) if (entry["name"], i) not in held]
+
+
+def _groups(spec: DeploymentSpec) -> list[dict]:
+    prefix = f"{spec.name}-workers-from-"
+    return sorted((e for e in placement_group_table().values() if e["name"].startswith(prefix)),
+                  key=lambda e: e["name"])
 
 
 def wait_ready(spec: DeploymentSpec, gateway, ids: list[str], wait_s: float) -> None:
@@ -220,9 +250,8 @@ def _remove_unused_groups(spec: DeploymentSpec) -> None:
             in_use.add(_get(handle.info.remote())["placement_group"])
         except RayError:
             return  # a worker that cannot say which group it is in: keep them all
-    prefix = f"{spec.name}-workers-from-"
-    for group_id, entry in placement_group_table().items():
-        if entry["name"].startswith(prefix) and entry["name"] not in in_use and entry["state"] != "REMOVED":
+    for entry in _groups(spec):
+        if entry["name"] not in in_use and entry["state"] != "REMOVED":
             remove_placement_group(ray.util.get_placement_group(entry["name"]))
 
 
