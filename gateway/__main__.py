@@ -58,15 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> int:
         try:
-            gateway = Gateway(config)
-        except TokenizerError as e:  # every start would fail the same way: no restart
-            log.error("%s", e)
-            return EXIT_DO_NOT_RESTART
-        try:
-            return await gateway.serve()
+            return await Gateway(config).serve()
         except ListenError as e:  # raised only while binding, before anything is served
             log.error("%s", e)
             return 2
+        except TokenizerError as e:  # raised while starting: every start would fail the same way, no restart
+            log.error("%s", e)
+            return EXIT_DO_NOT_RESTART
 
     return asyncio.run(run())
 

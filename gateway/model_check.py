@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from protos import worker_pb2
-from shared.model_fingerprint import model_fingerprint
+from shared.model_fingerprint import model_fingerprint, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,14 @@ class ModelCheck:
         if self._refused.get(worker_id) == incarnation:
             return False, False
         self._refused[worker_id] = incarnation
+        theirs = envelope.heartbeat.model_fingerprint
+        if theirs and scheme_of(theirs) != scheme_of(self.fingerprint):
+            log.error("refusing %s (incarnation %s): it fingerprints its model by scheme %s, this gateway by %s, so "
+                      "the two cannot tell whether they serve one model: run the same version of this project on "
+                      "both; it gets no work", worker_id, incarnation, scheme_of(theirs), scheme_of(self.fingerprint))
+            return False, True
         log.error("refusing %s (incarnation %s): it serves %s (fingerprint %s), this gateway serves %s "
                   "(fingerprint %s); it gets no work", worker_id, incarnation,
-                  envelope.heartbeat.model_name or "an unnamed model", envelope.heartbeat.model_fingerprint or "none",
-                  self.model_name, self.fingerprint)
+                  envelope.heartbeat.model_name or "an unnamed model", theirs or "none", self.model_name,
+                  self.fingerprint)
         return False, True

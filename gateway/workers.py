@@ -178,6 +178,7 @@ class WorkerRegistry:
         returns the requests it held."""
         worker = self.get(worker_id)
         worker.exit_reason, worker.exited_s, worker.exited_incarnation = reason, now_s, worker.incarnation
+        worker.was_alive = False  # gone by its own word: not a worker whose heartbeats stopped
         worker.stopping = worker.stopping or stopping
         lost = set(worker.assigned)
         worker.assigned.clear()

@@ -280,10 +280,11 @@ class ClusterConfig:
     def validate(self) -> None:
         _check(self.num_workers >= 0, "num_workers", self.num_workers, ">= 0")
         _check(bool(self.model_dir), "model_dir", self.model_dir, "a model folder")
+        self.gateway.validate()
         # A worker must heartbeat well within the gateway's timeout, or it reads dead between beats.
         _check(2 * self.worker.heartbeat_interval_s <= self.gateway.heartbeat_timeout_s, "worker.heartbeat_interval_s",
-               self.worker.heartbeat_interval_s, "at most half of gateway.heartbeat_timeout_s")
-        self.gateway.validate()
+               self.worker.heartbeat_interval_s,
+               f"at most half of gateway.heartbeat_timeout_s ({self.gateway.heartbeat_timeout_s:g})")
         self.queues.validate()
         self.dispatch.validate()
 

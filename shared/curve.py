@@ -311,16 +311,21 @@ _PROTOCOL_HINTS = {
 }
 
 
-def describe_handshake_failure(event: int, value: int) -> str:
-    """A monitor event's reason, in words (`value` is a PROTOCOL_ERROR_* code or a ZAP status)."""
+def describe_handshake_failure(event: int, value: int, worker_side: bool = False) -> str:
+    """A monitor event's reason, in words (`value` is a PROTOCOL_ERROR_* code or a ZAP status).
+    `worker_side`: as a worker's socket saw it, where a handshake the gateway cuts most likely
+    means a wrong gateway key (on the gateway's side the same event is mostly a port probe)."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"the CURVE key was refused (ZAP status {value})"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
         name = _PROTOCOL_ERRORS.get(int(value), str(int(value)))
         return f"protocol error {name}" + (f": {_PROTOCOL_HINTS[name]}" if name in _PROTOCOL_HINTS else "")
-    return (f"the connection closed mid-handshake (errno {int(value)}): the gateway could not read this worker's "
-            f"CURVE hello, which is what a gateway.key other than the gateway's public key looks like (keys "
-            f"made again with --force while this worker kept the old ones?)")
+    reason = f"the connection closed mid-handshake (errno {int(value)})"
+    if worker_side:
+        reason += (": possibly the gateway could not read this worker's CURVE hello, which is what a gateway.key "
+                   "other than the gateway's public key looks like (keys made again with --force while this "
+                   "worker kept the old ones?), or the gateway stopped")
+    return reason
 
 
 # ---- the policy ---------------------------------------------------------------------------------------

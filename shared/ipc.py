@@ -339,7 +339,7 @@ class WorkerSocket:
                     log.info("the gateway at %s accepted this worker's CURVE key", self.endpoint)
                 self._retry_at_s, self._retry_s = None, AUTH_RETRY_S
                 continue
-            reason = describe_handshake_failure(kind, event["value"])
+            reason = describe_handshake_failure(kind, event["value"], worker_side=True)
             # A refused key is final for a ZeroMQ connection; a handshake the gateway cut (what a
             # wrong gateway.key looks like from here) ZeroMQ would retry every 100 ms for ever.
             # Both wait for our own backoff instead.

@@ -23,8 +23,15 @@ SAMPLES = 16
 SAMPLE_BYTES = 4096
 
 
+SCHEME = "v2"  # how the fingerprint is computed: two processes of different schemes cannot compare theirs
+
+
+def scheme_of(fingerprint: str) -> str:
+    return fingerprint.partition("-")[0] if "-" in fingerprint else "v1"
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
-    """16 hex digits; the same for folders holding the same model, whatever their paths."""
+    """SCHEME-16 hex digits; the same for folders holding the same model, whatever their paths."""
     folder = Path(model_dir)
     h = hashlib.sha256()
     for name in FILES:
@@ -35,7 +42,7 @@ def model_fingerprint(model_dir: str | Path) -> str:
     for path in sorted(folder.glob("*.safetensors")):
         h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
         h.update(_safetensors_header(path))
-    return h.hexdigest()[:16]
+    return f"{SCHEME}-{h.hexdigest()[:16]}"
 
 
 def _safetensors_header(path: Path) -> bytes:

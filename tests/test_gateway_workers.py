@@ -60,6 +60,20 @@ def test_a_worker_at_high_memory_takes_one_request_while_idle_and_none_while_bus
     assert worker.can_take() and worker.free_slots() == 4
 
 
+def test_a_worker_that_said_it_exits_is_not_reaped_again_as_silent_and_its_late_frames_are_dropped():
+    registry = WorkerRegistry(["w0"], TIMEOUT_S)
+    heartbeat(registry, "w0", 0.0)
+    registry.note_heard("w0", 0.0)
+    registry.assign("w0", "g-1", 16)
+    assert registry.mark_dead("w0", 0.1, "stopped on a signal", stopping=True) == {"g-1"}
+    assert registry.reap_dead(0.2) == {}  # no second "missed heartbeats" for a worker that said goodbye
+    worker = registry.get("w0")
+    assert worker.stopping and worker.exit_reason == "stopped on a signal"
+    late = worker_pb2.Envelope(worker_id="w0", incarnation="i1", heartbeat=worker_pb2.Heartbeat(ready=True))
+    assert registry.has_exited(late)
+    assert not registry.has_exited(worker_pb2.Envelope(worker_id="w0", incarnation="i2"))
+
+
 def test_a_restart_loses_what_the_old_incarnation_held():
     registry = WorkerRegistry(["w0"], TIMEOUT_S)
     heartbeat(registry, "w0", 0.0)

@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+import zmq
+
 from shared.config import add_config_flags, config_from_args
 from shared.cpu_affinity import pin_process
 from shared.supervisor import EXIT_DO_NOT_RESTART
@@ -31,16 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     if environment := apply_model_process_environment(config.worker.cpu_huge_pages, config.worker.cuda_alloc_conf):
         logging.getLogger("worker").info("torch environment: %s", " ".join(f"{k}={v}" for k, v in environment.items()))
     from worker.model.config import CheckpointError, UnsupportedModelError
-    from worker.service import WorkerService  # imports torch: after the environment is set
+    from worker.service import EXIT_LINGER_MS, WorkerService  # imports torch: after the environment is set
     try:
-        service = WorkerService(config, args.worker_id)
-    except (CheckpointError, UnsupportedModelError) as e:
-        # Every start would fail the same way: no restart (the gateway was told why). The message
-        # names the fault; a traceback would only bury it.
-        logging.getLogger("worker").error("%s cannot load the model in %s: %s: %s", args.worker_id, config.model_dir,
-                                          type(e).__name__, e)
-        return EXIT_DO_NOT_RESTART
-    return service.run()
+        try:
+            service = WorkerService(config, args.worker_id)
+        except (CheckpointError, UnsupportedModelError) as e:
+            # Every start would fail the same way: no restart (the gateway was told why). The message
+            # names the fault; a traceback would only bury it.
+            logging.getLogger("worker").error("%s cannot load the model in %s: %s: %s", args.worker_id,
+                                              config.model_dir, type(e).__name__, e)
+            return EXIT_DO_NOT_RESTART
+        return service.run()
+    finally:
+        # libzmq waits out a closed socket's linger only when its context ends: the last frame
+        # (WorkerExit) leaves before the process does.
+        zmq.Context.instance().destroy(linger=EXIT_LINGER_MS)
 
 
 if __name__ == "__main__":

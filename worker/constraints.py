@@ -56,7 +56,7 @@ class Constraint:
     @property
     def dead_end(self) -> str:
         """Why no token can follow ("" while the output can still go on)."""
-        return self.matcher.get_error() if self.matcher.is_error() else ""
+        return (self.matcher.get_error() or "the matcher is in its error state") if self.matcher.is_error() else ""
 
 
 class ConstraintCompiler:

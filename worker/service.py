@@ -52,6 +52,14 @@ def engine_config(config: ClusterConfig) -> EngineConfig:
     return config.worker.engine_config(num_threads=config.worker_threads())
 
 
+def say_goodbye(socket: WorkerSocket, reason: str, stopping: bool = False) -> None:
+    """Tell the gateway this process is exiting and why (WorkerExit), then close the socket,
+    leaving the frame EXIT_LINGER_MS to go (honoured when the process ends the ZeroMQ context:
+    worker/__main__.py)."""
+    socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason, stopping=stopping)))
+    socket.close(linger_ms=EXIT_LINGER_MS)
+
+
 class WorkerService:
     def __init__(self, config: ClusterConfig, worker_id: str, engine: Engine | None = None,
                  read_memory: Callable[[bool], MemoryReading] | None = None):
@@ -63,13 +71,16 @@ class WorkerService:
         self.worker_id = worker_id
         self.incarnation = new_incarnation()
         endpoint = config.worker_endpoint
-        # Connected while the model loads, so a load that fails can tell the gateway why.
-        self.socket = WorkerSocket(endpoint, worker_id, self.incarnation, keys=keys)
         try:
             self.engine = engine or Engine.from_model_dir(config.model_dir, engine_config(config))
         except Exception as e:
-            self._say_goodbye(f"cannot load the model in {config.model_dir}: {type(e).__name__}: {e}")
+            # On a socket of its own, unrouted (the gateway reads the id from the frame): the routed
+            # socket comes only after the load, so that meanwhile the gateway's sends to this id
+            # fail at once, as after a crash, rather than wait here unread.
+            say_goodbye(WorkerSocket(endpoint, worker_id, self.incarnation, routed=False, keys=keys),
+                        f"cannot load the model in {config.model_dir}: {type(e).__name__}: {e}")
             raise
+        self.socket = WorkerSocket(endpoint, worker_id, self.incarnation, keys=keys)
         self.engine.track_kv_events()
         self._kv_seq = 0  # the last KvEvents seq sent by this incarnation
         self.device = self.engine.device
@@ -124,13 +135,8 @@ class WorkerService:
             self.heartbeat.stop(send_last=reason is None)
             self.heartbeat.join(timeout=2)
             # A stop leaves the requests still here unfinished too: the gateway resumes them at once.
-            self._say_goodbye(reason or "stopped on a signal", stopping=reason is None)
+            say_goodbye(self.socket, reason or "stopped on a signal", stopping=reason is None)
         return 0 if reason is None else 1
-
-    def _say_goodbye(self, reason: str, stopping: bool = False) -> None:
-        """Tell the gateway this process is exiting and why (WorkerExit), then close the socket."""
-        self.socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason, stopping=stopping)))
-        self.socket.close(linger_ms=EXIT_LINGER_MS)
 
     def _on_signal(self, signum, _frame) -> None:
         log.info("%s: signal %d, stopping", self.worker_id, signum)

@@ -142,15 +142,15 @@ def add_workers(spec: DeploymentSpec, indices: list[int], wait_s: float) -> None
     """Start `indices` workers: first in the bundles of this deployment's placement groups that
     removed workers left free (a group cannot shrink, so its bundles stay reserved until its last
     worker goes), then the rest in a new group of one bundle each."""
-    free = _free_bundles(spec)
+    bundle = {"CPU": spec.cpus_per_worker} if spec.cpus_per_worker else {}
+    if spec.gpus_per_worker:
+        bundle["GPU"] = spec.gpus_per_worker
+    free = _free_bundles(spec, bundle)
     for index, (group_name, bundle_index) in zip(indices, free):
         _start_worker(spec, index, group_name, bundle_index)
     indices = indices[len(free):]
     if not indices:
         return
-    bundle = {"CPU": spec.cpus_per_worker} if spec.cpus_per_worker else {}
-    if spec.gpus_per_worker:
-        bundle["GPU"] = spec.gpus_per_worker
     group_name = f"{spec.placement_group(indices[0])}-{uuid.uuid4().hex[:6]}"
     group = placement_group([dict(bundle) for _ in indices], strategy=spec.strategy, name=group_name,
                             lifetime="detached")
@@ -173,17 +173,22 @@ def _start_worker(spec: DeploymentSpec, index: int, group_name: str, bundle_inde
     ).remote(spec.to_dict(), index, group_name, bundle_index)
 
 
-def _free_bundles(spec: DeploymentSpec) -> list[tuple[str, int]]:
-    """(group name, bundle index) of this deployment's bundles that no worker holds."""
+def _free_bundles(spec: DeploymentSpec, bundle: dict) -> list[tuple[str, int]]:
+    """(group name, bundle index) of this deployment's bundles of exactly `bundle`'s resources
+    that no worker holds."""
     held = set()
     for handle in worker_handles(spec).values():
         try:
             info = _get(handle.info.remote())
         except RayError:
             return []  # a worker that cannot say where it is: reuse nothing rather than double-book
-        held.add((info["placement_group"], info.get("bundle_index", 0)))
+        if "bundle_index" not in info:
+            return []  # started before workers said which bundle they hold
+        held.add((info["placement_group"], info["bundle_index"]))
+    wanted = {k: float(v) for k, v in bundle.items()}
     return [(entry["name"], i) for entry in _groups(spec) if entry["state"] == "CREATED"
-            for i in range(len(entry["bundles"])) if (entry["name"], i) not in held]
+            for i, resources in sorted(entry["bundles"].items())
+            if (entry["name"], i) not in held and {k: float(v) for k, v in resources.items()} == wanted]
 
 
 def _groups(spec: DeploymentSpec) -> list[dict]:

@@ -202,9 +202,10 @@ def _rope(hf: dict) -> RopeConfig:
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
             raise CheckpointError(f"config.json's {key!r} is {value!r}; it must be an object")
+    where = "config.json's " + ("rope_parameters" if params else "rope_scaling")
     params = {**scaling, **params}
-    where = "config.json's " + ("rope_parameters" if hf.get("rope_parameters") else "rope_scaling")
-    theta = _number(params, "rope_theta", float, _number(hf, "rope_theta", float, 10000.0), where)
+    theta = (_number(params, "rope_theta", float, where=where) if params.get("rope_theta") is not None
+             else _number(hf, "rope_theta", float, 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(

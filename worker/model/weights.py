@@ -149,7 +149,7 @@ def _load_weights(model: Transformer, files: list[Path], dtype: torch.dtype) -> 
     for path in files:
         try:
             _load_file(model.config, params, path, pending, loaded, unexpected, tied)
-        except (SafetensorError, OSError) as e:  # safetensors' own errors do not name the file
+        except SafetensorError as e:  # its own errors do not name the file; an OSError may pass (a retry may not)
             raise CheckpointError(f"{path} does not read as safetensors: {e}") from e
     if unexpected:
         raise CheckpointError(f"checkpoint has weights this model does not expect: {sorted(unexpected)[:8]}")
@@ -157,9 +157,18 @@ def _load_weights(model: Transformer, files: list[Path], dtype: torch.dtype) -> 
     absent_parts = [f"model.{name.replace(fused, part)}" for name, arrived in pending.items()
                     for fused, parts in _FUSED.items() if fused in name
                     for i, part in enumerate(parts) if i not in arrived]
-    missing = sorted(set(params) - loaded - set(pending) - ({"lm_head.weight"} if tied else set())) + absent_parts
+    absent = set(params) - loaded - set(pending) - ({"lm_head.weight"} if tied else set())
+    missing = sorted(_checkpoint_names(name) for name in absent) + absent_parts
     if missing:
         raise CheckpointError(f"checkpoint is missing weights: {missing[:8]}")
+
+
+def _checkpoint_names(name: str) -> str:
+    """Our parameter's name(s) as a checkpoint has them: the parts of a fused one."""
+    for fused, parts in _FUSED.items():
+        if fused in name:
+            return ", ".join(f"model.{name.replace(fused, part)}" for part in parts)
+    return name if name.startswith("lm_head.") else f"model.{name}"
 
 
 def _load_file(config: ModelConfig, params: dict, path: Path, pending: dict, loaded: set, unexpected: list,
