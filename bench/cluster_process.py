@@ -31,6 +31,7 @@ STOP_GRACE_S = 10.0
 
 
 _HANDED_OUT: set[int] = set()
+RUN_DIRS: list[Path] = []  # of every cluster this process made: what leftover_processes looks for
 _PORT_FLOOR = 10000
 
 
@@ -74,6 +75,18 @@ def free_port() -> int:
             return port
 
 
+def leftover_processes() -> list[psutil.Process]:
+    """Processes still running whose command line names the run folder of a cluster this process
+    made: each cluster's `stop` should have ended them all."""
+    folders = [str(d) for d in RUN_DIRS]
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmdline = p.info["cmdline"] or []
+        if p.pid != os.getpid() and any(f in arg for arg in cmdline for f in folders):
+            left.append(p)
+    return left
+
+
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -108,6 +121,7 @@ class ClusterProcess:
         self.gateway_module = gateway_module or ["gateway"]
         self.worker_module = worker_module or ["worker"]
         self.run_dir = Path(tempfile.mkdtemp(prefix="icb-"))
+        RUN_DIRS.append(self.run_dir)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.num_workers = num_workers
@@ -124,6 +138,11 @@ class ClusterProcess:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def _spawn(self, name: str, module_args: list[str]) -> None:
+        running = self.procs.get(name)
+        if running is not None and running.poll() is None:
+            # A second start (e.g. `with cluster.start():`, whose __enter__ starts again) would leave
+            # the first processes running with nothing left to stop them.
+            raise RuntimeError(f"{name} of this cluster is already running (pid {running.pid})")
         with open(self.run_dir / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", *module_args, "--config", str(self.config_path)], cwd=REPO_ROOT,

@@ -78,3 +78,21 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_cluster_process_outlives_the_tests():
+    """Every process a test's cluster starts is stopped by it. One still running when the tests
+    end is a leak: it is killed, and the run fails naming it."""
+    yield
+    import psutil
+    from bench.cluster_process import leftover_processes
+    left = leftover_processes()
+    named = [" ".join(p.info["cmdline"] or [])[:200] for p in left]
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes left running by the tests: {named}"
+

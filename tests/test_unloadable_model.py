@@ -51,7 +51,7 @@ def test_a_worker_whose_model_cannot_load_tells_the_gateway_and_is_not_restarted
     shutil.copytree(served_checkpoint, moe)
     config = json.loads((moe / "config.json").read_text())
     (moe / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
-    with Cluster(served_checkpoint, num_workers=1).start() as cluster:
+    with Cluster(served_checkpoint, num_workers=1) as cluster:
         log = tmp_path / "worker-moe.log"
         rc = _run_until_exit([sys.executable, "-m", "worker.supervisor", "--config", str(cluster.config_path),
                               "--worker-id", "worker-moe", "--model-dir", str(moe)], log)
@@ -100,3 +100,11 @@ def test_a_model_dir_that_does_not_exist_is_named_as_such(tmp_path):
         Tokenizer(missing)
     with pytest.raises(CheckpointError, match=f"the model folder {missing} \\(model_dir\\) does not exist"):
         ModelConfig.from_model_dir(missing)
+
+
+def test_a_cluster_started_twice_refuses_rather_than_leak_its_first_processes(served_checkpoint):
+    with Cluster(served_checkpoint, num_workers=1) as cluster:
+        with pytest.raises(RuntimeError, match="already running"):
+            cluster.start()
+        pids = [p.pid for p in cluster.procs.values()]
+    assert all(p.poll() is not None for p in cluster.procs.values()), pids
