@@ -72,3 +72,15 @@ def test_an_unreadable_tls_file_is_an_error_naming_the_flag(tmp_path):
     with pytest.raises(SystemExit) as e:
         client.main(["hi", "--tls-ca", str(tmp_path / "missing.pem")])
     assert str(e.value).startswith("--tls-ca: cannot read") and "missing.pem" in str(e.value)
+
+
+def test_status_prints_why_a_worker_exited():
+    from protos import inference_pb2
+    cluster = inference_pb2.ClusterStatus(workers=[
+        inference_pb2.WorkerStatus(worker_id="worker-0", alive=True, ready=True, last_heartbeat_age_s=0.1),
+        inference_pb2.WorkerStatus(worker_id="worker-1", last_heartbeat_age_s=1e9,
+                                   exit_reason="cannot load the model in m: UnsupportedModelError: x")])
+    lines = client.format_status(cluster).splitlines()
+    assert lines[-2] == "worker-1 exited: cannot load the model in m: UnsupportedModelError: x"
+    assert not any("worker-0 exited" in line for line in lines)
+    assert "never" in next(line for line in lines if line.startswith("worker-1 "))
