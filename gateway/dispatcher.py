@@ -291,7 +291,7 @@ class Dispatcher:
         # would refuse it (a heterogeneous fleet, or a pool smaller than the model's context).
         whole = len(state.prompt_ids) + state.params.max_tokens
         room = [w for w in takers if w.free_blocks() - taken_blocks.get(w.worker_id, 0) >= w.blocks_for(need)
-                and (not w.heartbeat.kv_blocks_total or w.heartbeat.kv_blocks_total >= w.blocks_for(whole))]
+                and w.pool_holds(whole)]
         return self.router.route(state, room, taken)
 
     @staticmethod

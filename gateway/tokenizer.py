@@ -10,9 +10,9 @@ transformers 5 rebuilds a `LlamaTokenizer`'s SentencePiece-style pipeline (a Met
 pre-tokenizer that adds "▁" only before the first piece), so text right after a special token
 inside a string (`<s>[INST]` in Llama 2's and Mistral's chat templates) loses the "▁" the file's
 Prepend normalizer gives it; the gateway keeps the file's form, which is what transformers 4 and
-SentencePiece encoding each piece of text (Meta's reference chat code) produce. Encoding and rendering may run on several threads at once
-(gateway/offload.py): the Rust tokenizer is only read, and two threads rendering a template first
-at once at worst both compile it. Also the
+SentencePiece encoding each piece of text (Meta's reference chat code) produce. Encoding and
+rendering may run on several threads at once (gateway/offload.py): the Rust tokenizer is only
+read, and two threads rendering a template first at once at worst both compile it. Also the
 incremental detokenizer used for streaming, whose work per delta is a window of a few tokens, so
 it stays on the event loop.
 """

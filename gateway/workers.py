@@ -69,6 +69,16 @@ class WorkerHandle:
         slots = max(0, hb.max_num_seqs + hb.max_queued - len(self.assigned))
         return min(slots, 1) if hb.memory_level != "OK" else slots
 
+    def pool_tokens(self) -> int:
+        """The prompt + output tokens one request can hold here: its whole KV pool (0 before it reports one)."""
+        hb = self.heartbeat
+        return hb.kv_blocks_total * hb.block_size if hb is not None and hb.block_size else 0
+
+    def pool_holds(self, num_tokens: int) -> bool:
+        """Whether its whole KV pool holds a sequence of `num_tokens` (yes while it reports none)."""
+        pool = self.pool_tokens()
+        return not pool or pool >= num_tokens
+
     def free_blocks(self) -> int:
         hb = self.heartbeat
         return 0 if hb is None else max(0, hb.kv_blocks_free - self.blocks_reserved)
@@ -207,8 +217,7 @@ class WorkerRegistry:
     def largest_pool_tokens(self, now_s: float) -> int:
         """The most prompt + output tokens one request can hold on any live worker (its whole KV
         pool); 0 before any has reported."""
-        return max((w.heartbeat.kv_blocks_total * w.heartbeat.block_size for w in self.live(now_s)
-                    if w.heartbeat.block_size), default=0)
+        return max((w.pool_tokens() for w in self.live(now_s)), default=0)
 
     def pick(self, now_s: float, num_tokens: int) -> WorkerHandle | None:
         """The dispatchable worker with the most room for a request of num_tokens prompt tokens."""

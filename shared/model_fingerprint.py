@@ -21,8 +21,6 @@ FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_toke
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header past this is not one
 SAMPLES = 16
 SAMPLE_BYTES = 4096
-
-
 SCHEME = "v2"  # how the fingerprint is computed: two processes of different schemes cannot compare theirs
 
 

@@ -5,8 +5,9 @@ gateway and each worker) is one of these: a small process that holds no model, n
 request, and restarts its child (`python -m gateway`, `python -m worker`) whenever it dies, with
 exponential backoff for crash loops. SIGTERM/SIGINT to the supervisor are passed on to the child,
 which drains and exits; the supervisor then exits 0 (1 if the child had to be killed or failed
-its drain). A child that exits EXIT_DO_NOT_RESTART is not restarted. A child outlives neither a stop nor its supervisor: if the supervisor itself is
-killed, the kernel sends the child SIGTERM (Linux), so no model process is left orphaned.
+its drain). A child that exits EXIT_DO_NOT_RESTART is not restarted. A child outlives neither a
+stop nor its supervisor: if the supervisor itself is killed, the kernel sends the child SIGTERM
+(Linux), so no model process is left orphaned.
 
 Standard library only: a supervisor must start in milliseconds and must not fail on whatever
 breaks its child.

@@ -90,7 +90,7 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
         torch.backends.cuda.enable_cudnn_sdp(False)
     started = time.perf_counter()
     model = load_model(target.model_dir, target.device, config.dtype or None, max_positions=target.max_model_len,
-                       placement=target.plan)
+                       placement=target.plan, config=target.model_config)
     load_seconds = time.perf_counter() - started  # read + placed below; quantization apart
     report = calibration = None
     if config.quantization != "none":

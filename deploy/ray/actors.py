@@ -119,7 +119,8 @@ class WorkerActor:
 
     def info(self) -> dict:
         return {**_node(), "worker_id": self.worker_id, "pid": self.child.pid, "alive": self.child.alive(),
-                "placement_group": self.placement_group, "bundle_index": self.bundle_index, "host": socket.gethostname(),
+                "placement_group": self.placement_group, "bundle_index": self.bundle_index,
+                "host": socket.gethostname(),
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "log": str(self.child.log_path)}
 
     def log_tail(self) -> str:

@@ -173,18 +173,22 @@ def _start_worker(spec: DeploymentSpec, index: int, group_name: str, bundle_inde
     ).remote(spec.to_dict(), index, group_name, bundle_index)
 
 
+def _worker_infos(spec: DeploymentSpec) -> list[dict] | None:
+    """Each worker's own account of itself (where it runs, which group and bundle); None when one
+    cannot answer, so nothing is reused or removed on a guess."""
+    try:
+        return [_get(handle.info.remote()) for handle in worker_handles(spec).values()]
+    except RayError:
+        return None
+
+
 def _free_bundles(spec: DeploymentSpec, bundle: dict) -> list[tuple[str, int]]:
     """(group name, bundle index) of this deployment's bundles of exactly `bundle`'s resources
     that no worker holds."""
-    held = set()
-    for handle in worker_handles(spec).values():
-        try:
-            info = _get(handle.info.remote())
-        except RayError:
-            return []  # a worker that cannot say where it is: reuse nothing rather than double-book
-        if "bundle_index" not in info:
-            return []  # started before workers said which bundle they hold
-        held.add((info["placement_group"], info["bundle_index"]))
+    infos = _worker_infos(spec)
+    if infos is None or any("bundle_index" not in info for info in infos):
+        return []  # a worker that cannot say, or started before workers said, which bundle it holds
+    held = {(info["placement_group"], info["bundle_index"]) for info in infos}
     wanted = {k: float(v) for k, v in bundle.items()}
     return [(entry["name"], i) for entry in _groups(spec) if entry["state"] == "CREATED"
             for i, resources in sorted(entry["bundles"].items())
@@ -249,12 +253,10 @@ def remove_workers(spec: DeploymentSpec, gateway, handles: dict[int, object], dr
 
 
 def _remove_unused_groups(spec: DeploymentSpec) -> None:
-    in_use = set()
-    for handle in worker_handles(spec).values():
-        try:
-            in_use.add(_get(handle.info.remote())["placement_group"])
-        except RayError:
-            return  # a worker that cannot say which group it is in: keep them all
+    infos = _worker_infos(spec)
+    if infos is None:
+        return  # a worker that cannot say which group it is in: keep them all
+    in_use = {info["placement_group"] for info in infos}
     for entry in _groups(spec):
         if entry["name"] not in in_use and entry["state"] != "REMOVED":
             remove_placement_group(ray.util.get_placement_group(entry["name"]))

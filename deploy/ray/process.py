@@ -3,10 +3,10 @@
 Ray restarts an actor whose process dies, which is what replaces the local supervisor here: when
 the child exits on its own, the actor's process exits too (`on_exit`), and Ray starts a new actor
 that starts a new child; not after a child that exits EXIT_DO_NOT_RESTART (a model it cannot
-load), which would fail the same way in every new actor. The child is started from a thread that lives as long as it does,
-because Linux ties the parent-death signal to the thread that forked: when the actor's process
-dies (a node removed, `ray.kill`), the child gets SIGTERM and drains, so no model process is left
-behind holding a GPU. Standard library only.
+load), which would fail the same way in every new actor. The child is started from a thread that
+lives as long as it does, because Linux ties the parent-death signal to the thread that forked:
+when the actor's process dies (a node removed, `ray.kill`), the child gets SIGTERM and drains,
+so no model process is left behind holding a GPU. Standard library only.
 """
 from __future__ import annotations
 

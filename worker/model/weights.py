@@ -74,13 +74,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype=None,
-               max_positions: int | None = None, placement: WeightPlacement | None = None) -> Transformer:
+               max_positions: int | None = None, placement: WeightPlacement | None = None,
+               config: ModelConfig | None = None) -> Transformer:
     """Load onto `device`, or where `placement` puts each part (worker/model/placement.py). The
     layer loop of a sharded or on-demand plan is attached afterwards by `attach_placement`, so
     that whatever rewrites layers in between (quantization) sees ordinary modules. The layers of
-    a quantized checkpoint share one QuantizationPlan of their own."""
+    a quantized checkpoint share one QuantizationPlan of their own. `config`: the folder's
+    ModelConfig where the caller has read it already (it reads config.json and tokenizer.json)."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_model_dir(model_dir)
+    config = config or ModelConfig.from_model_dir(model_dir)
     plan = placement or WeightPlacement.single(device, config.num_layers)
     if len(plan.layer_devices) != config.num_layers:
         raise ValueError(f"placement has {len(plan.layer_devices)} layers, the model {config.num_layers}")
@@ -153,22 +155,19 @@ def _load_weights(model: Transformer, files: list[Path], dtype: torch.dtype) -> 
             raise CheckpointError(f"{path} does not read as safetensors: {e}") from e
     if unexpected:
         raise CheckpointError(f"checkpoint has weights this model does not expect: {sorted(unexpected)[:8]}")
-    # A fused parameter with some of its parts is missing those parts, by their checkpoint names.
-    absent_parts = [f"model.{name.replace(fused, part)}" for name, arrived in pending.items()
-                    for fused, parts in _FUSED.items() if fused in name
-                    for i, part in enumerate(parts) if i not in arrived]
-    absent = set(params) - loaded - set(pending) - ({"lm_head.weight"} if tied else set())
-    missing = sorted(_checkpoint_names(name) for name in absent) + absent_parts
+    absent = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    missing = [hf_name for name in sorted(absent) for hf_name in _missing_parts(name, pending.get(name, {}))]
     if missing:
         raise CheckpointError(f"checkpoint is missing weights: {missing[:8]}")
 
 
-def _checkpoint_names(name: str) -> str:
-    """Our parameter's name(s) as a checkpoint has them: the parts of a fused one."""
+def _missing_parts(name: str, arrived: dict[int, torch.Tensor]) -> list[str]:
+    """What of our parameter `name` the checkpoint lacks, by the checkpoint's names: a fused
+    parameter's parts that have not arrived, or the parameter itself."""
     for fused, parts in _FUSED.items():
         if fused in name:
-            return ", ".join(f"model.{name.replace(fused, part)}" for part in parts)
-    return name if name.startswith("lm_head.") else f"model.{name}"
+            return [f"model.{name.replace(fused, part)}" for i, part in enumerate(parts) if i not in arrived]
+    return [name if name.startswith("lm_head.") else f"model.{name}"]
 
 
 def _load_file(config: ModelConfig, params: dict, path: Path, pending: dict, loaded: set, unexpected: list,
