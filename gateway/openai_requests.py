@@ -255,8 +255,8 @@ def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:
 
 def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, logprobs: int | None,
               logprobs_name: str, logprobs_limit: int) -> inference_pb2.SamplingOptions:
-    if body.seed is not None and not 0 <= body.seed < MAX_SEED:
-        raise BadRequest(f"seed must be in [0, 2**63), got {body.seed}", "seed")
+    if body.seed is not None and not -MAX_SEED <= body.seed < MAX_SEED:
+        raise BadRequest(f"seed must be a signed 64-bit integer, got {body.seed}", "seed")
     if logprobs is not None and not 0 <= logprobs <= logprobs_limit:
         raise BadRequest(f"{logprobs_name} must be in [0, {logprobs_limit}], got {logprobs}", logprobs_name)
     if max_tokens is not None and max_tokens < 1:
@@ -275,6 +275,9 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
                  "frequency_penalty", "speculative_ngram_k"):
         value = getattr(body, name)
         if value is not None:
+            if name == "seed":
+                # OpenAI's seed is any int64; the engine's are [0, 2**63), where a negative one folds.
+                value %= MAX_SEED
             if name == "top_k" and value == -1:  # vLLM's "off"
                 value = 0
             if name == "top_k" and value < 0:

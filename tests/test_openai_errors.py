@@ -67,7 +67,7 @@ BAD_BODIES = [
     ("/v1/completions", completion(temperature=-1), 400, "temperature"),
     ("/v1/completions", completion(top_p=1.5), 400, "top_p"),
     ("/v1/completions", completion(top_k=-2), 400, "top_k"),
-    ("/v1/completions", completion(seed=-1), 400, "seed"),
+    ("/v1/completions", completion(seed=-2**63 - 1), 400, "seed"),
     ("/v1/completions", completion(presence_penalty=3), 400, "presence_penalty"),
     ("/v1/completions", completion(stop=["a", "b", "c"]), 400, "max_stop_strings"),
     ("/v1/completions", completion(stop=[""]), 400, "stop"),
@@ -277,6 +277,17 @@ def test_openai_nullable_fields_sent_as_null_take_their_defaults(http):
     assert choice["logprobs"] is None and choice["message"]["content"] is not None
     r = http.post("/v1/completions", json=completion(n=None, stream=None, echo=None))
     assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+
+
+def test_a_negative_seed_is_taken_as_openai_takes_any_int64(http):
+    def sampled(seed: int) -> list[int]:
+        r = http.post("/v1/completions", json=completion(seed=seed, temperature=1.0, max_tokens=12,
+                                                         return_token_ids=True))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert sampled(-1) == sampled(-1)
+    assert sampled(-2**63) == sampled(-2**63)
 
 
 def test_admission_refusals_name_their_field_as_param(http):
