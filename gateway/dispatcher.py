@@ -335,7 +335,7 @@ class Dispatcher:
             state.worker_id = None
             state.num_resumes += 1
             self.metrics.resumptions.inc()
-            self.queue.push(QueuedItem(request_id=internal_id, num_tokens=len(state.prompt_ids),
+            self.queue.push(QueuedItem(request_id=self.requests.renew_id(state), num_tokens=len(state.prompt_ids),
                                        priority=state.priority, arrival_s=state.arrival_s,
                                        deadline_s=state.deadline_s, payload=state), front=True)
         self._wake.set()

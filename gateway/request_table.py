@@ -1,7 +1,8 @@
 """The gateway's live requests, by internal id, and the client's ids that name them while they live.
 
 Every admission gets a fresh internal id (unique within this gateway process and across its
-restarts): it is the id on the wire and in the worker. A client's `request_id` (within the
+restarts): it is the id on the wire and in the worker, and each resumption of the request takes
+another (`renew_id`). A client's `request_id` (within the
 namespace of the API key that sent it: one key can neither see nor reach another's ids) points
 at its request only until that request is forgotten, so a client may reuse an id at once, and nothing
 addressed to the old request (a late delta, an abort) can reach the new one.
@@ -43,6 +44,19 @@ class RequestTable:
         if state.group_id:
             group = (state.owner, state.group_id)
             self._groups[group] = self._groups.get(group, 0) + 1
+
+    def renew_id(self, state: RequestState) -> str:
+        """Give a live request being resumed a fresh internal id (its old id plus the attempt, `.N`), so
+        a worker that still runs the old attempt (one declared dead that comes back) can neither
+        refuse the new one as a duplicate nor end it with the old one's deltas."""
+        root = state.internal_id.split(".", 1)[0]
+        old, state.internal_id = state.internal_id, f"{root}.{state.num_resumes}"
+        del self._by_internal[old]
+        self._by_internal[state.internal_id] = state
+        key = (state.owner, state.request_id)
+        if self._by_client.get(key) == old:
+            self._by_client[key] = state.internal_id
+        return state.internal_id
 
     def get(self, internal_id: str) -> RequestState | None:
         return self._by_internal.get(internal_id)

@@ -221,3 +221,30 @@ def test_a_worker_stopped_by_sigterm_hands_its_streams_on_at_once(served_checkpo
             assert got[0] == want[0], name
         [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-0"]
         assert not entry.alive and entry.exit_reason == "stopped on a signal"
+
+
+def test_a_worker_declared_dead_that_comes_back_finishes_its_streams(served_checkpoint):
+    """A worker paused past gateway.heartbeat_timeout_s (a stall, not a crash) is declared dead and
+    its streams requeued; when it runs again it still holds them under their first ids, and the
+    resumed streams, sent back to it as the only worker, must not collide with those."""
+    requests = {f"greedy-{i}": dict(prompt_token_ids=[5 + i, 6, 7, 8], sampling=dict(
+        max_tokens=300, temperature=0.0, ignore_eos=True)) for i in range(3)}
+    requests["seeded"] = dict(prompt_token_ids=[9, 10], sampling=dict(max_tokens=300, temperature=1.0, seed=5,
+                                                                      ignore_eos=True))
+    with Cluster(served_checkpoint, num_workers=1) as cluster:
+        reference, results, threads = reference_then_streams_running(cluster, requests)
+        [worker] = cluster.model_pids("worker-0")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while cluster.status().workers[0].alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not cluster.status().workers[0].alive
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=120)
+        for name, want in reference.items():
+            got = results[name]
+            assert not isinstance(got, Exception), (name, got)
+            assert (got[0], got[1]) == (want[0], want[1]), name

@@ -69,6 +69,22 @@ def test_a_request_of_several_sequences_holds_its_own_id_while_any_of_them_lives
     table.add(state(table, "dup"))
 
 
+def test_a_resumed_request_takes_a_fresh_internal_id_its_client_id_follows():
+    table = RequestTable()
+    resumed = state(table, "r")
+    table.add(resumed)
+    first = resumed.internal_id
+    resumed.num_resumes = 1
+    second = table.renew_id(resumed)
+    resumed.num_resumes = 2
+    third = table.renew_id(resumed)
+    assert (second, third) == (f"{first}.1", f"{first}.2") and resumed.internal_id == third
+    # The attempts before it name nothing: their late deltas are stale, not the resumed request's.
+    assert table.get(first) is None and table.get(second) is None and table.get(third) is resumed
+    assert table.by_client("r") is resumed and len(table) == 1
+    assert table.pop(third) is resumed and not table.is_live("r")
+
+
 def reuse_once(cluster, client_id: str, abort: bool, expected: list[int], outcomes: dict) -> str | None:
     """One round: None when right, else what went wrong."""
     old = cluster.stub.Generate(inference_pb2.GenerateRequest(
