@@ -49,6 +49,16 @@ def reference_then_streams_running(cluster, requests: dict[str, dict]) -> tuple[
     return reference, results, threads
 
 
+def assert_streams_match(reference: dict, results: dict, threads: list[threading.Thread], timeout_s: float = 120):
+    """Every disturbed stream gave its undisturbed tokens and text: no gap, no duplicate."""
+    for t in threads:
+        t.join(timeout=timeout_s)
+    for name, want in reference.items():
+        got = results[name]
+        assert not isinstance(got, Exception), (name, got)
+        assert (got[0], got[1]) == (want[0], want[1]), name
+
+
 def test_kill_9_of_a_worker_mid_stream_resumes_every_stream_elsewhere(served_checkpoint):
     requests = {f"greedy-{i}": dict(prompt_token_ids=[5 + i, 6, 7, 8], sampling=dict(
         max_tokens=400, temperature=0.0, ignore_eos=True)) for i in range(4)}  # long enough to be cut
@@ -64,13 +74,7 @@ def test_kill_9_of_a_worker_mid_stream_resumes_every_stream_elsewhere(served_che
         while cluster.status().workers[0].alive and time.monotonic() < deadline:
             time.sleep(0.02)
         assert time.monotonic() - killed_at < 2.0, "the gateway took over 2 s to notice"
-        for t in threads:
-            t.join(timeout=120)
-        for name, want in reference.items():
-            got = results[name]
-            assert not isinstance(got, Exception), (name, got)
-            assert got[0] == want[0], name  # no gap, no duplicate, same tokens
-            assert got[1] == want[1]
+        assert_streams_match(reference, results, threads)
         # The supervisor restarted the model process; it rejoins and is used again.
         status = cluster.wait_ready(timeout_s=120)
         assert status.workers[0].num_restarts >= 1
@@ -213,12 +217,7 @@ def test_a_worker_stopped_by_sigterm_hands_its_streams_on_at_once(served_checkpo
         reference, results, threads = reference_then_streams_running(cluster, requests)
         [worker] = cluster.model_pids("worker-0")
         os.kill(worker, signal.SIGTERM)
-        for t in threads:
-            t.join(timeout=150)
-        for name, want in reference.items():
-            got = results[name]
-            assert not isinstance(got, Exception), (name, got)
-            assert got[0] == want[0], name
+        assert_streams_match(reference, results, threads, timeout_s=150)
         [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-0"]
         assert not entry.alive and entry.exit_reason == "stopped on a signal"
 
@@ -242,9 +241,4 @@ def test_a_worker_declared_dead_that_comes_back_finishes_its_streams(served_chec
             assert not cluster.status().workers[0].alive
         finally:
             os.kill(worker, signal.SIGCONT)
-        for t in threads:
-            t.join(timeout=120)
-        for name, want in reference.items():
-            got = results[name]
-            assert not isinstance(got, Exception), (name, got)
-            assert (got[0], got[1]) == (want[0], want[1]), name
+        assert_streams_match(reference, results, threads)
