@@ -68,6 +68,7 @@ class Dispatcher:
         self.probes = WorkerProbes(lambda worker_id, envelope: self.socket.send(worker_id, envelope))
         self.prefix_index = PrefixIndex()
         self.router = Router(config.dispatch, self.prefix_index)
+        self.metrics.count_indexed_blocks(lambda: list(self.registry.workers), self.prefix_index.num_blocks)
         # Label lookups cost more than the observation itself: resolve each bucket's once.
         self._itl_by_bucket = [self.metrics.itl.labels(str(b)) for b in range(len(q.bucket_bounds) + 1)]
 
@@ -166,8 +167,6 @@ class Dispatcher:
             self.prefix_index.on_heartbeat(envelope.worker_id, envelope.heartbeat.kv_events_seq)
             self._ask_snapshot(envelope.worker_id, now)
             self.metrics.on_heartbeat(envelope.worker_id, envelope.incarnation, envelope.heartbeat)
-            self.metrics.prefix_index_blocks.labels(envelope.worker_id).set(
-                self.prefix_index.num_blocks(envelope.worker_id))
             self._wake.set()  # capacity may have changed
             # Only this worker: a scan of every worker per heartbeat grows with the fleet's
             # square (the monitor loop reaps the others within MONITOR_INTERVAL_S).

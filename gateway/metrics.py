@@ -7,7 +7,10 @@ run several gateways in one process.
 """
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway.listen import metrics_taken
@@ -75,8 +78,6 @@ class Metrics:
                                                registry=r)
         self.reported_cached_tokens = Counter("inference_routing_reported_cached_tokens", "Prompt tokens the worker "
                                               "reported it found cached, for the same requests.", w, registry=r)
-        self.prefix_index_blocks = Gauge("inference_prefix_index_blocks", "Prefix-cache blocks the gateway's index "
-                                         "holds for the worker.", w, registry=r)
         self.workers_refused = Counter("inference_workers_refused", "Worker incarnations refused, by reason "
                                        "(model: it serves another model than the gateway).", ["reason"],
                                        registry=r)
@@ -105,6 +106,11 @@ class Metrics:
         self.loop_lag = histogram("inference_gateway_event_loop_lag_seconds", "How late the gateway's event loop "
                                   "runs a short periodic timer: what a stream or heartbeat waits for it.", labels=())
         self._last_counts: dict[tuple[str, str], tuple[str, int]] = {}
+
+    def count_indexed_blocks(self, worker_ids: Callable[[], Iterable[str]], num_blocks: Callable[[str], int]) -> None:
+        """`inference_prefix_index_blocks{worker}`, read from the prefix index at each scrape, so a
+        worker whose blocks the index forgot (dead, restarted) reads 0 at once."""
+        self.registry.register(_IndexedBlocks(worker_ids, num_blocks))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         try:
@@ -151,3 +157,17 @@ class Metrics:
     def on_liveness(self, worker_id: str, alive: bool, ready: bool) -> None:
         self.worker_up.labels(worker_id).set(int(alive))
         self.worker_ready.labels(worker_id).set(int(ready))
+
+
+class _IndexedBlocks:
+    """A collector: the prefix index's blocks per worker, as the index holds them when scraped."""
+
+    def __init__(self, worker_ids: Callable[[], Iterable[str]], num_blocks: Callable[[str], int]):
+        self._worker_ids, self._num_blocks = worker_ids, num_blocks
+
+    def collect(self):
+        family = GaugeMetricFamily("inference_prefix_index_blocks", "Prefix-cache blocks the gateway's index holds "
+                                   "for the worker.", labels=["worker"])
+        for worker_id in self._worker_ids():
+            family.add_metric([worker_id], self._num_blocks(worker_id))
+        yield family

@@ -3,6 +3,7 @@ in prefill tokens), new conversations against a conversation's own history, stic
 spreading, what a worker can take, least_loaded, round_robin and the prediction."""
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -242,3 +243,21 @@ def test_new_conversations_spread_over_idle_workers_by_what_they_cache():
     cache(index, "w2", list(range(200, 208)))
     route = router.route(request([9] * 20), workers(registry), {})
     assert (route.worker.worker_id, route.outcome) == ("w1", "spread")
+
+
+def test_the_index_gauge_follows_a_worker_declared_dead():
+    async def scenario():
+        dispatcher = Dispatcher(load_config())
+        ours = dispatcher.model_check.fingerprint
+        dispatcher._on_envelope(heartbeat("worker-0", model_fingerprint=ours), 0.0)
+        cache(dispatcher.prefix_index, "worker-0", SYSTEM)
+        dispatcher._on_envelope(heartbeat("worker-0", kv_events_seq=1, model_fingerprint=ours), 0.1)
+
+        def indexed():
+            return dispatcher.metrics.registry.get_sample_value("inference_prefix_index_blocks", {"worker": "worker-0"})
+
+        assert indexed() == 8
+        dispatcher._check_liveness(5.0)  # its heartbeats stopped: the index forgets its blocks, and so does /metrics
+        assert dispatcher.prefix_index.num_blocks("worker-0") == 0 and indexed() == 0
+
+    asyncio.run(scenario())
