@@ -208,6 +208,7 @@ class Dispatcher:
                 if state.last_token_s is not None:
                     self._itl_by_bucket[state.bucket].observe((now - state.last_token_s) / len(delta.new_token_ids))
                 self.metrics.generation_tokens.inc(len(delta.new_token_ids))
+                self.registry.note_tokens(worker_id, state.internal_id, len(delta.new_token_ids))
             logprobs = logprobs_from_wire(delta) if delta.logprobs else None
             stopped = state.on_tokens(list(delta.new_token_ids), now, logprobs)
             if stopped:

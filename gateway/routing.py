@@ -12,11 +12,18 @@ stays with the worker holding its history unless the load there outweighs recomp
 other conversations share (a system prompt: other routed prompts branch where the match ends), or
 none: C = new_conversation_load_cost_tokens, larger, since the request starts a conversation whose
 later turns follow it; new conversations spread over the workers, each computing the shared
-prefix once, instead of all joining the few that already hold it. A request cached nowhere that
-names a session counts its session's worker as holding all but its last block (`sticky`).
-`least_loaded` takes the most room (sessions still sticky); `round_robin` the workers in turn per
-batch. Only workers that can take the request now are candidates (the dispatcher's filter: ready, a
-free slot, blocks for its prompt), so no policy routes beyond what a worker said it can take.
+prefix once, instead of all joining the few that already hold it. The load counts each request's
+prompt and the tokens it has streamed. A worker where the request would start at once (a running
+slot free, counting those routed to it in this pass) comes before one where it would queue behind
+running requests, whatever either caches: waiting for a slot costs more than recomputing a prefix.
+A request cached nowhere that names a session, and continues the session's last routed prompt (its
+blocks begin with all of that prompt's full blocks: a conversation's next turn, another choice of
+the same prompt), counts the session's worker as holding that prompt before the worker has reported
+it (`sticky`); a request of the session that does not continue it is routed like any other, so one
+`user` shared by unrelated requests does not pin them to one worker. `least_loaded` takes the most
+room (sessions still sticky); `round_robin` the workers in turn per batch. Only workers that can
+take the request now are candidates (the dispatcher's filter: ready, a free slot, blocks for its
+prompt), so no policy routes beyond what a worker said it can take.
 """
 from __future__ import annotations
 
@@ -34,6 +41,15 @@ OUTCOMES = ("cache_hit", "balanced", "sticky", "spread")
 DEFAULT_BLOCK_SIZE = 16  # a worker that has not reported one yet
 
 
+@dataclass(frozen=True, slots=True)
+class SessionMark:
+    """Where a session's last request went, and the last full block of its prompt there."""
+    worker_id: str
+    block_size: int
+    num_blocks: int
+    last_hash: bytes
+
+
 @dataclass(frozen=True)
 class Route:
     worker: WorkerHandle
@@ -49,12 +65,13 @@ class Router:
     def __init__(self, config: DispatchConfig, index: PrefixIndex):
         self.config = config
         self.index = index
-        self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> the worker that served it last
+        self._sessions: OrderedDict[str, SessionMark] = OrderedDict()  # by session id, least recently routed first
         self._turn = 0  # round_robin: the next worker, by position among the candidates
         # Block hashes routed to each worker in this dispatch pass: a worker that will compute a
         # prefix for one request counts as holding it for the next ones (n choices of a prompt, a
         # burst sharing a preamble), before any report of it can arrive.
         self._pass_routed: dict[str, set[bytes]] = {}
+        self._pass_count: dict[str, int] = {}  # requests routed to each worker in this pass
 
     def route(self, state: RequestState, candidates: list[WorkerHandle], pending: dict[str, int]) -> Route | None:
         """The worker for `state` among `candidates` (those that can take it now); `pending`: tokens
@@ -70,29 +87,34 @@ class Router:
         if policy == "least_loaded":
             worker = most_room(candidates)
             new_cost = self.config.new_conversation_load_cost_tokens
-            if home is not None and self._sticky_cost(state, home, pending) <= self._cost(state, worker, pending, 0,
-                                                                                          new_cost):
-                worker = home
-            return Route(worker, "sticky" if worker is home else "spread",
-                         self._predicted(state, worker, matched[worker.worker_id]))
+            held = self._sticky_cached(state, home) if home is not None else None
+            if held is not None and (self._runs_now(home) or not self._runs_now(worker)) and \
+                    self._sticky_cost(state, home, pending, held) <= self._cost(state, worker, pending, 0, new_cost):
+                return Route(home, "sticky", max(held, self._predicted(state, home, matched[home.worker_id])))
+            return Route(worker, "spread", self._predicted(state, worker, matched[worker.worker_id]))
         return self._cache_aware(state, candidates, pending, matched, home)
 
     def begin_pass(self) -> None:
         self._pass_routed.clear()
+        self._pass_count.clear()
 
     def note_routed(self, state: RequestState, worker: WorkerHandle) -> None:
         """`state` goes to `worker` in this pass (before `committed`, which ends the batch)."""
         self._pass_routed.setdefault(worker.worker_id, set()).update(block_hashes(state, self._block_size(worker)))
+        self._pass_count[worker.worker_id] = self._pass_count.get(worker.worker_id, 0) + 1
 
     def committed(self, states: list[RequestState], worker: WorkerHandle) -> None:
         """`states` were sent to `worker`: remember their sessions and where their prompts branch, and
         move round_robin on."""
         self._turn += 1
+        block_size = self._block_size(worker)
         for state in states:
+            hashes = block_hashes(state, block_size)
             if state.session_id:
-                self._sessions[state.session_id] = worker.worker_id
+                self._sessions[state.session_id] = SessionMark(worker.worker_id, block_size, len(hashes),
+                                                               hashes[-1] if hashes else b"")
                 self._sessions.move_to_end(state.session_id)
-            self.index.note_chain(block_hashes(state, self._block_size(worker)))
+            self.index.note_chain(hashes)
         while len(self._sessions) > MAX_SESSIONS:
             self._sessions.popitem(last=False)
 
@@ -107,12 +129,14 @@ class Router:
                 load_cost = self.config.load_cost_tokens  # its own conversation's history
         cached = {w.worker_id: self._predicted(state, w, matched[w.worker_id]) for w in candidates}
         costs = {w.worker_id: self._cost(state, w, pending, cached[w.worker_id], load_cost) for w in candidates}
-        if best_blocks == 0 and home is not None:
-            costs[home.worker_id] = self._sticky_cost(state, home, pending)
-        worker = min(candidates, key=lambda w: (costs[w.worker_id], self._load(w, pending), -w.free_slots(),
-                                                self.index.num_blocks(w.worker_id), w.worker_id))
+        held = self._sticky_cached(state, home) if best_blocks == 0 and home is not None else None
+        if held is not None:
+            cached[home.worker_id] = held
+            costs[home.worker_id] = self._sticky_cost(state, home, pending, held)
+        worker = min(candidates, key=lambda w: (not self._runs_now(w), costs[w.worker_id], self._load(w, pending),
+                                                -w.free_slots(), self.index.num_blocks(w.worker_id), w.worker_id))
         if best_blocks == 0:
-            outcome = "sticky" if worker is home else "spread"
+            outcome = "sticky" if held is not None and worker is home else "spread"
         else:
             outcome = "cache_hit" if matched[worker.worker_id] == best_blocks else "balanced"
         return Route(worker, outcome, cached[worker.worker_id])
@@ -124,12 +148,25 @@ class Router:
         capacity = max(1, worker.heartbeat.kv_blocks_total if worker.heartbeat else 0) * self._block_size(worker)
         return tokens - cached_tokens + load_cost * (self._load(worker, pending) + tokens) / capacity
 
-    def _sticky_cost(self, state: RequestState, home: WorkerHandle, pending: dict[str, int]) -> float:
-        """The session's worker is computing the conversation so far: it counts as holding the prompt,
-        the conversation's own history (load weighed as for a cached history: n choices of a prompt
-        stay together even on a small KV cache)."""
-        usable = (num_tokens(state) - 1) // self._block_size(home) * self._block_size(home)
-        return self._cost(state, home, pending, usable, self.config.load_cost_tokens)
+    def _sticky_cached(self, state: RequestState, home: WorkerHandle) -> int | None:
+        """When `state` continues its session's last routed prompt: the tokens of that prompt the
+        session's worker counts as holding. Else None."""
+        mark = self._sessions[state.session_id]
+        hashes = block_hashes(state, mark.block_size)
+        if not mark.num_blocks or len(hashes) < mark.num_blocks or hashes[mark.num_blocks - 1] != mark.last_hash:
+            return None
+        return self._predicted(state, home, mark.num_blocks)
+
+    def _sticky_cost(self, state: RequestState, home: WorkerHandle, pending: dict[str, int], cached: int) -> float:
+        """The session's worker holds the conversation's own history: load weighed as for a cached
+        history (n choices of a prompt stay together even on a small KV cache)."""
+        return self._cost(state, home, pending, cached, self.config.load_cost_tokens)
+
+    def _runs_now(self, worker: WorkerHandle) -> bool:
+        """A request sent to `worker` now would start at once: a running slot is free beyond the
+        requests it holds and those routed to it in this pass."""
+        hb = worker.heartbeat
+        return hb is None or len(worker.assigned) + self._pass_count.get(worker.worker_id, 0) < hb.max_num_seqs
 
     @staticmethod
     def _load(worker: WorkerHandle, pending: dict[str, int]) -> int:
@@ -137,8 +174,8 @@ class Router:
 
     # ---- internals -----------------------------------------------------------------------------
     def _session_worker(self, state: RequestState, candidates: list[WorkerHandle]) -> WorkerHandle | None:
-        worker_id = self._sessions.get(state.session_id) if state.session_id else None
-        return next((w for w in candidates if w.worker_id == worker_id), None)
+        mark = self._sessions.get(state.session_id) if state.session_id else None
+        return next((w for w in candidates if mark is not None and w.worker_id == mark.worker_id), None)
 
     def _matched_blocks(self, state: RequestState, candidates: list[WorkerHandle]) -> dict[str, int]:
         matched: dict[str, int] = {}

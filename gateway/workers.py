@@ -25,7 +25,7 @@ class WorkerHandle:
     heartbeat: worker_pb2.Heartbeat | None = None
     last_seen_s: float = -math.inf  # monotonic, on the gateway's clock
     assigned: set[str] = field(default_factory=set)  # request ids sent and not finished
-    assigned_tokens: dict[str, int] = field(default_factory=dict)  # their tokens (prompt + streamed) when sent
+    assigned_tokens: dict[str, int] = field(default_factory=dict)  # their tokens: prompt + streamed, as they stream
     blocks_reserved: int = 0  # prompt blocks of requests sent since the last heartbeat
     num_incarnations: int = 0
     was_alive: bool = False
@@ -146,6 +146,12 @@ class WorkerRegistry:
         worker.assigned.add(request_id)
         worker.assigned_tokens[request_id] = num_tokens
         worker.blocks_reserved += worker.blocks_for(num_tokens)
+
+    def note_tokens(self, worker_id: str, request_id: str, num_tokens: int) -> None:
+        """The request generated `num_tokens` more on the worker: they hold its KV as the prompt does."""
+        tokens = self.get(worker_id).assigned_tokens
+        if request_id in tokens:
+            tokens[request_id] += num_tokens
 
     def release(self, worker_id: str, request_id: str) -> None:
         """The request ended, moved or was cancelled: its slot is free again."""

@@ -197,18 +197,74 @@ def test_a_worker_whose_whole_pool_cannot_hold_the_sequence_is_never_chosen():
 def test_a_prefix_cached_nowhere_goes_to_its_session_else_spreads():
     registry, index, router = setup()
     registry.assign("w1", "r", 10)  # w0 has the most room
-    route = router.route(request([1, 2, 3, 4, 5], session_id="chat"), workers(registry), {})
+    first_turn = list(range(1, 9))  # two blocks, not reported by any worker yet
+    route = router.route(request(first_turn, session_id="chat"), workers(registry), {})
     assert (route.worker.worker_id, route.outcome) == ("w0", "spread")
-    router.committed([request([1], session_id="chat")], registry.workers["w1"])
+    router.committed([request(first_turn, session_id="chat")], registry.workers["w1"])
+    next_turn = request(first_turn + [9, 9, 9], session_id="chat")
+    route = router.route(next_turn, workers(registry), {})
+    assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w1", "sticky", 8)
+    # Another request of the session that does not continue its last prompt gains nothing there.
     route = router.route(request([9, 9, 9, 9, 9], session_id="chat"), workers(registry), {})
-    assert (route.worker.worker_id, route.outcome) == ("w1", "sticky")
+    assert (route.worker.worker_id, route.outcome) == ("w0", "spread")
     registry.assign("w1", "big", 1000)  # the session's worker is overloaded: spread instead
-    route = router.route(request([9, 9, 9, 9, 9], session_id="chat"), workers(registry), {})
+    route = router.route(next_turn, workers(registry), {})
     assert (route.worker.worker_id, route.outcome) == ("w0", "spread")
     # A session's worker that cannot take the request is not a candidate at all.
-    route = router.route(request([9, 9, 9, 9, 9], session_id="chat"), [registry.workers["w0"]], {})
+    route = router.route(next_turn, [registry.workers["w0"]], {})
     assert route.worker.worker_id == "w0"
     assert router.route(request([1]), [], {}) is None
+
+
+def test_one_session_shared_by_unrelated_requests_spreads_them():
+    """An application sending one `user` with every request: its unrelated prompts go where they
+    cost least, not all to the worker that served the first."""
+    registry, index, router = setup()
+    chosen = []
+    for i in range(8):
+        state = request([50 + i] * 12, session_id="my-app")
+        route = router.route(state, workers(registry), {})
+        chosen.append(route.worker.worker_id)
+        send(registry, router, route.worker.worker_id, state, f"r{i}")
+    assert chosen.count("w0") == chosen.count("w1") == 4
+
+
+def test_a_request_goes_where_it_starts_at_once_before_where_its_prefix_is_cached():
+    """Cached history or session, a worker whose running slots are all taken would queue the
+    request behind them: a worker with a free slot wins, even recomputing the whole prompt."""
+    for policy in ("cache_aware", "least_loaded"):
+        registry, index, router = setup(policy)
+        cache(index, "w0", SYSTEM)
+        router.committed([request(SYSTEM, session_id="chat")], registry.workers["w0"])
+        turn = request(SYSTEM + [1, 2, 3, 4, 5], session_id="chat")
+        assert router.route(turn, workers(registry), {}).worker.worker_id == "w0"
+        for i in range(7):
+            registry.assign("w0", f"running-{i}", 10)
+        assert router.route(turn, workers(registry), {}).worker.worker_id == "w0"  # one slot of 8 left
+        router.begin_pass()
+        router.note_routed(request([7] * 4), registry.workers["w0"])  # this pass takes it
+        assert router.route(turn, workers(registry), {}).worker.worker_id == "w1"
+        router.begin_pass()
+        registry.assign("w0", "running-7", 10)
+        assert router.route(turn, workers(registry), {}).worker.worker_id == "w1"
+        registry.assign("w1", "elsewhere", 10)
+        for i in range(7):  # both would queue it: the cache decides again
+            registry.assign("w1", f"elsewhere-{i}", 10)
+        if policy == "cache_aware":
+            assert router.route(turn, workers(registry), {}).worker.worker_id == "w0"
+
+
+def test_a_workers_load_grows_with_what_its_requests_generate():
+    registry, index, router = setup()
+    for worker_id in ("w0", "w1"):
+        cache(index, worker_id, SYSTEM)
+        registry.assign(worker_id, f"{worker_id}-long", 40)
+    assert router.route(request(SYSTEM + [1]), workers(registry), {}).worker.worker_id == "w0"  # a tie
+    registry.note_tokens("w0", "w0-long", 500)
+    assert registry.workers["w0"].load_tokens() == 540
+    assert router.route(request(SYSTEM + [1]), workers(registry), {}).worker.worker_id == "w1"
+    registry.note_tokens("w0", "gone", 5)  # a request already released counts nothing
+    assert registry.workers["w0"].load_tokens() == 540
 
 
 def test_least_loaded_ignores_the_cache_and_round_robin_takes_turns():
