@@ -85,6 +85,7 @@ class OpenAiApi:
         app.openapi = lambda: _without_422(app)
         # Added first, so inside the key check: a caller without a valid key hears 401, not 413.
         app.add_middleware(BodyLimit, max_bytes=self.config.gateway.max_body_bytes,
+                           max_values=self.config.gateway.max_body_values,
                            on_refused=lambda request_id, message, scope: self.refused(
                                request_id, 413, message, principal_of(scope)))
         app.add_middleware(ApiKeyCheck, admission=self.admission)

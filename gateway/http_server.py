@@ -1,7 +1,8 @@
 """uvicorn serving an ASGI app inside the gateway's own asyncio loop, beside grpc.aio.
 
 uvicorn rather than a server of our own: it is the ASGI server FastAPI is built and tested
-against, and its httptools parser keeps HTTP's cost per request small. It runs as a task of the
+against, and its httptools parser keeps HTTP's cost per request small (with the bounds on reading
+a request that uvicorn lacks: gateway/http_protocol.py). It runs as a task of the
 running loop, so a request handler calls the dispatcher directly (no threads, no locks); the
 gateway keeps its own signal handling (uvicorn's would replace it) and binds the socket itself
 (gateway/listen.py), so a port that is taken fails the gateway's start with a ListenError naming it
@@ -15,6 +16,7 @@ import logging
 
 import uvicorn
 
+from gateway.http_protocol import guarded_http_protocol
 from gateway.listen import listen_socket
 
 log = logging.getLogger(__name__)
@@ -28,14 +30,17 @@ class _InLoopServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, tls=None, reuse_port: bool = False):
+    def __init__(self, app, host: str, port: int, tls=None, reuse_port: bool = False,
+                 max_header_bytes: int = 64 << 10, read_timeout_s: float = 20.0):
         """`tls`: a gateway.tls.TlsFiles to serve HTTPS (with client certificates when it names a CA);
-        `reuse_port`: share host:port with other gateways (SO_REUSEPORT). A taken port is a ListenError."""
+        `reuse_port`: share host:port with other gateways (SO_REUSEPORT). A taken port is a ListenError.
+        `max_header_bytes`, `read_timeout_s`: bounds on reading a request (gateway/http_protocol.py)."""
         self.sock = listen_socket(host, port, reuse_port)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                timeout_keep_alive=30, http="auto", **(tls.uvicorn_args() if tls else {}))
+                                timeout_keep_alive=30, http=guarded_http_protocol(max_header_bytes, read_timeout_s),
+                                **(tls.uvicorn_args() if tls else {}))
         self.server = _InLoopServer(config)
         self._task: asyncio.Task | None = None
 

@@ -242,7 +242,8 @@ class Gateway:
         self.http: HttpServer | None = None
         if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
-            self.http = HttpServer(api.app, g.host, g.http_port, tls=tls, reuse_port=g.reuse_port)
+            self.http = HttpServer(api.app, g.host, g.http_port, tls=tls, reuse_port=g.reuse_port,
+                                   max_header_bytes=g.max_header_bytes, read_timeout_s=g.http_read_timeout_s)
         self._stopped = asyncio.Event()
         self._health_names: set[str] = set()
 

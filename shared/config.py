@@ -74,6 +74,13 @@ class GatewayConfig:
     reuse_port: bool = False
     served_model_name: str = ""  # the `model` clients name; "" = the model folder's name
     max_body_bytes: int = 16 << 20  # an HTTP body beyond this is refused 413 before it is parsed
+    # An HTTP body's JSON is parsed on the event loop, at a cost per value (each token id, each
+    # logit_bias entry): a body of more values is refused 413 before it is parsed.
+    max_body_values: int = 1 << 20
+    # An HTTP request's head (request line and headers) at most this long (431), and arriving
+    # within http_read_timeout_s, as must each chunk of its body (408 / the connection closed).
+    max_header_bytes: int = 64 << 10
+    http_read_timeout_s: float = 20.0
     # Browser pages of these origins may call the HTTP API (CORS; "*" = any); () = none. A
     # preflight is answered before the key check, which still holds for the call itself.
     cors_allow_origins: tuple[str, ...] = ()
@@ -102,13 +109,14 @@ class GatewayConfig:
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
         _check(0 <= self.http_port < 65536, "gateway.http_port", self.http_port, "in [0, 65535]")
-        for name in ("max_body_bytes", "max_n", "max_prompts"):
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_body_values", "max_header_bytes"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
         for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars", "tokenizer_threads",
                      "max_schema_bytes"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
         for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
+        _check(self.http_read_timeout_s > 0, "gateway.http_read_timeout_s", self.http_read_timeout_s, "> 0")
         _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
         _check(self.restart_backoff_s > 0, "gateway.restart_backoff_s", self.restart_backoff_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")

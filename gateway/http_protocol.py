@@ -1,0 +1,120 @@
+"""uvicorn's httptools protocol with the bounds a public HTTP port needs and uvicorn lacks.
+
+A request's head (request line and headers) may hold at most `gateway.max_header_bytes` (431
+beyond, as the bytes arrive: httptools would otherwise buffer a header of any size), and must
+arrive within `gateway.http_read_timeout_s` of the connection opening or the request's first byte
+(408); a body may pause at most as long between its chunks (the connection is closed, the handler
+sees the client gone). So an idle, trickling or endless client holds a socket and its buffers for
+a bounded time only, whether or not it has a key. Keep-alive connections between requests close
+after uvicorn's own keep-alive timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def guarded_http_protocol(max_header_bytes: int, read_timeout_s: float) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), with these bounds."""
+    return type("GuardedHttpProtocol", (_GuardedHttpProtocol,),
+                {"max_header_bytes": max_header_bytes, "read_timeout_s": read_timeout_s})
+
+
+class _GuardedHttpProtocol(HttpToolsProtocol):
+    max_header_bytes = 64 << 10
+    read_timeout_s = 20.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._head_bytes = 0  # of the head being read: bytes received, then (once parsed) its size
+        self._in_head = True  # waiting for a request's head: the first one, now
+        self._in_body = False
+        self._refused = False  # answered 431 or 408 and closing: nothing more is read
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._arm(self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_body:
+            self._arm(self._body_timed_out)  # the body moved: its pause starts again
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():
+            # A head still incomplete: httptools buffers it, so its bytes so far are bounded here
+            # (the whole chunk, any body bytes after the head included: a bound, not a measure).
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes:
+                self._refuse_head_size()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_size = 0  # its request line and headers as parsed
+        if not self._in_head:  # a request after another on this connection
+            self._in_head, self._head_bytes = True, 0
+            self._arm(self._head_timed_out)
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._head_size > self.max_header_bytes:  # a whole head too long, parsed from one chunk
+            return self._refuse_head_size()
+        self._in_head, self._in_body = False, True
+        self._arm(self._body_timed_out)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._disarm()
+        if not self._refused:
+            super().on_message_complete()
+
+    def _refuse_head_size(self) -> None:
+        self._refuse(431, f"the request's head passed {self.max_header_bytes} bytes (gateway.max_header_bytes)")
+
+    def _head_timed_out(self) -> None:
+        self._refuse(408, f"the request's head did not arrive within {self.read_timeout_s:g} s "
+                          f"(gateway.http_read_timeout_s)")
+
+    def _body_timed_out(self) -> None:
+        self.logger.info("closing %s: its request body paused for %g s (gateway.http_read_timeout_s)",
+                         self.client, self.read_timeout_s)
+        self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._disarm()
+        self._in_head, self._in_body, self._refused = False, False, True
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete and self.cycle.response_started:
+            self.transport.close()  # a response is under way: too late for a status of our own
+            return
+        body = message.encode()
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
+        self.transport.close()
+
+    def _arm(self, on_timeout) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(self.read_timeout_s, on_timeout)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None

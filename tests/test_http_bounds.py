@@ -1,0 +1,135 @@
+"""The HTTP port's bounds on reading a request, on the real gateway in front of model-free workers:
+a head too long (431) or too slow (408), a body that pauses too long (cut off), a body of too many
+JSON values (413, before it is parsed on the event loop), and a client within them served as ever.
+Also the value count itself against JSON documents of every shape."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx2 as httpx
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from bench.cluster_process import free_port
+from gateway.http_body_limit import values_outside_strings
+from gateway_fake_cluster import FakeCluster
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "llama"
+MAX_VALUES = 1000
+MAX_HEADER = 8192
+READ_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def cluster(served_checkpoint):
+    gateway = {"http_port": free_port(), "max_body_values": MAX_VALUES, "max_header_bytes": MAX_HEADER,
+               "http_read_timeout_s": READ_TIMEOUT_S}
+    with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": gateway}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as client:
+        yield client
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def raw(cluster, data: bytes) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=10)
+    conn.sendall(data)
+    return conn
+
+
+def answer(conn: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := conn.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_body_of_too_many_json_values_is_413_before_it_is_parsed(http, cluster):
+    r = http.post("/v1/completions", json=completion(prompt=[5] * MAX_VALUES), headers={"x-request-id": "many"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    assert "gateway.max_body_values" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json=completion(logit_bias={str(i): 1 for i in range(MAX_VALUES)}))
+    assert r.status_code == 413 and "max_body_values" in r.json()["error"]["message"]
+    # Commas inside strings are not values: a long text of them is parsed and served.
+    r = http.post("/v1/completions", json=completion(prompt='a, "b", \\' * 200 + "," * MAX_VALUES))
+    assert r.status_code == 200, r.text
+    assert http.post("/v1/completions", json=completion(prompt=[5] * (MAX_VALUES - 20))).status_code == 200
+    [line] = [json.loads(line[line.index("{"):]) for line in cluster.logs("gateway").splitlines()
+              if '"event":"request"' in line and '"many"' in line]
+    assert line["status_code"] == "RESOURCE_EXHAUSTED" and "max_body_values" in line["error"]
+
+
+def test_a_head_too_long_is_431_and_a_head_too_slow_408(http, cluster):
+    conn = raw(cluster, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-padding: " + b"a" * MAX_HEADER)
+    status_line = answer(conn).split(b"\r\n", 1)[0]
+    assert status_line.startswith(b"HTTP/1.1 431"), status_line
+    started = time.monotonic()
+    conn = raw(cluster, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n")  # the head's end never comes
+    reply = answer(conn)
+    assert reply.startswith(b"HTTP/1.1 408") and b"gateway.http_read_timeout_s" in reply, reply
+    assert time.monotonic() - started < 10 * READ_TIMEOUT_S
+    idle = raw(cluster, b"")  # opens and sends nothing
+    assert answer(idle).startswith(b"HTTP/1.1 408")
+    assert http.get("/v1/models").status_code == 200
+
+
+def test_a_body_that_pauses_too_long_is_cut_off_and_one_that_keeps_coming_is_served(http, cluster):
+    body = json.dumps(completion()).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body))
+    conn = raw(cluster, head + body[:10])  # the rest never comes
+    assert answer(conn) == b""  # closed without a word: a response may not begin mid-body
+    conn = raw(cluster, head)
+    for i in range(len(body)):  # a slow client, but never pausing for the timeout
+        conn.sendall(body[i:i + 1])
+        time.sleep(READ_TIMEOUT_S / 20)
+    assert answer_status(conn) == 200
+
+
+def answer_status(conn: socket.socket) -> int:
+    received = b""
+    while b"\r\n" not in received:
+        received += conn.recv(65536)
+    conn.close()
+    return int(received.split(b" ", 2)[1])
+
+
+def test_requests_after_another_on_a_kept_alive_connection_have_the_same_bounds(cluster):
+    with httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as client:
+        for _ in range(3):
+            time.sleep(1.5 * READ_TIMEOUT_S)  # idle between requests: the keep-alive timeout's, not ours
+            assert client.post("/v1/completions", json=completion()).status_code == 200
+        r = client.get("/v1/models", headers={"x-padding": "a" * MAX_HEADER})
+        assert r.status_code == 431
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from(',"\\:[]{} ab\u00e9')),
+                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
+                        st.text(alphabet=st.sampled_from(',"\\ab')), inner, max_size=5), max_leaves=30)
+
+
+def commas(doc) -> int:
+    if isinstance(doc, list):
+        return max(len(doc) - 1, 0) + sum(commas(d) for d in doc)
+    if isinstance(doc, dict):
+        return max(len(doc) - 1, 0) + sum(commas(d) for d in doc.values())
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON, st.booleans(), st.integers(1, 16))
+def test_values_are_counted_outside_strings(doc, ascii_only, chunk_bytes):
+    """Chunks of a few bytes: strings and escapes across a chunk's end, as megabyte chunks meet them."""
+    text = json.dumps(doc, ensure_ascii=ascii_only).encode()
+    assert values_outside_strings(text, chunk_bytes) == values_outside_strings(text) == 1 + commas(doc)
