@@ -25,16 +25,17 @@ READ_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def cluster(served_checkpoint):
-    gateway = {"http_port": free_port(), "max_body_values": MAX_VALUES, "max_header_bytes": MAX_HEADER,
-               "http_read_timeout_s": READ_TIMEOUT_S}
-    with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": gateway}) as c:
+    bounds = {"max_body_values": MAX_VALUES, "max_header_bytes": MAX_HEADER, "http_read_timeout_s": READ_TIMEOUT_S}
+    with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": {"http_port": free_port(), **bounds}}) as c:
         yield c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def http(cluster):
-    with httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as client:
-        yield client
+    """A client of its own per test: a connection another test's bounds closed is not reused."""
+    client = httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30)
+    yield client
+    client.close()
 
 
 def completion(**fields) -> dict:
