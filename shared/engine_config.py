@@ -50,7 +50,8 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: size the pool from memory
     kv_cache_bytes: int = 256 << 20  # CPU: the KV pool's byte budget
     # The KV pool's element type; "" = the model's compute dtype. A half type holds twice the
-    # tokens in the same memory; attention reads it widened to the compute dtype.
+    # tokens in the same memory; attention reads it widened to the compute dtype. float16 overflows
+    # past 65504 (NaN logits: the request fails), bfloat16 keeps float32's range.
     kv_cache_dtype: str = ""
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the worker may use
     max_num_seqs: int = 32

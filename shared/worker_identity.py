@@ -1,8 +1,8 @@
 """A worker's command line beyond the config: `--connect ENDPOINT` (where its gateway listens:
 `--gateway.worker_endpoint` by a shorter name) and `--worker-id ID`, which defaults to one derived
 from the host and the device, so `python -m worker.supervisor --connect tcp://gw:5555 --model-dir
-DIR` is a whole command on a host with one worker per device. Stdlib only (the supervisor loads
-no model)."""
+DIR` is a whole command on a host with one worker per device; and the config such a command line
+gives, checked once at the command. No torch (the supervisor loads no model)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,8 @@ import os
 import re
 import socket
 
-from shared.config import ClusterConfig
+from shared.config import ClusterConfig, ConfigError, config_from_args
+from shared.curve import WORKER, transport_keys
 
 CONNECT_FLAG = "--connect"
 
@@ -20,6 +21,18 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
                         help="this worker's id (default: HOST-DEVICE, e.g. node7-cuda0 or node7-cpu)")
     parser.add_argument(CONNECT_FLAG, default=None, metavar="ENDPOINT",
                         help="the gateway's worker endpoint, e.g. tcp://gateway:5555 (= --gateway.worker_endpoint)")
+
+
+def worker_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ClusterConfig:
+    """The config a worker's command line gives, or argparse's exit (2) naming what is wrong: a bad
+    value, or a transport it may not use (plain tcp://, missing keys). Checked once, at the command,
+    so a bad value is never met again in a restart loop."""
+    try:
+        config = config_from_args(args)
+        transport_keys(config, WORKER)
+    except ConfigError as e:
+        parser.error(str(e))
+    return config
 
 
 def expand_connect(argv: list[str]) -> list[str]:

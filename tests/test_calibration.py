@@ -4,6 +4,7 @@ a quantized checkpoint round-trips through save and load."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_checkpoint
+from shared.engine_config import ConfigError
 from tokenizer_fixture import make_tokenizer
 from worker.engine import Engine, SamplingParams
 from worker.model.calibration import ActivationStats, CalibrationSettings, search_input_scale
@@ -170,7 +172,8 @@ def test_quantized_checkpoint_round_trips(outlier_checkpoint, tmp_path):
     expected = [o.token_ids for o in in_memory.generate(prompts, params, use_tqdm=False)]
     assert [o.token_ids for o in loaded.generate(prompts, params, use_tqdm=False)] == expected
 
-    with pytest.raises(ValueError, match="already quantized"):
+    # A ConfigError naming the key: its worker exits EXIT_DO_NOT_RESTART rather than restart into it again.
+    with pytest.raises(ConfigError, match=f"quantization 'int8': {out} is already quantized"):
         Engine.from_model_dir(out, num_kv_blocks=64, quantization="int8")
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
@@ -218,3 +221,62 @@ def test_head_quantization_is_opt_in_and_round_trips(checkpoints, tmp_path, arch
     prompts = [list(range(3, 30)), [9] * 6]
     assert ([o.token_ids for o in loaded.generate(prompts, params, use_tqdm=False)]
             == [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
+
+
+def test_a_torn_or_foreign_calibration_file_is_calibrated_again_and_overwritten(tmp_path, monkeypatch, caplog):
+    """A file that does not read as a calibration is no reason to stop: every start would stop again."""
+    from types import SimpleNamespace
+
+    from worker.calibrate import load_or_calibrate
+    from worker.model.calibration import Calibration, calibration_file_name
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    rule, settings = QuantizationRule.preset("int8"), CalibrationSettings()
+    fresh = Calibration({"x": torch.ones(4)}, {"x": 0.5}, {"x": (2.0, 1.0)},
+                        dict(num_sequences=1, num_tokens=9, seconds=0.1))
+    monkeypatch.setattr("worker.calibrate.calibrate", lambda *a: fresh)
+    path = model_dir / "calibration" / calibration_file_name(model_dir, rule, settings)
+    fresh.save(path)
+    torn = path.read_bytes()[:100]  # an interrupted copy
+    save_file({"y": torch.ones(2)}, str(tmp_path / "foreign.safetensors"), metadata={"version": "1"})
+    for unreadable in (torn, (tmp_path / "foreign.safetensors").read_bytes()):
+        path.write_bytes(unreadable)
+        caplog.clear()
+        calibration, saved = load_or_calibrate(SimpleNamespace(model_dir=model_dir), rule, settings)
+        assert calibration is fresh and saved == path
+        assert f"ignoring unreadable calibration {path}" in caplog.text
+        assert Calibration.load(path).alphas == {"x": 0.5}  # overwritten with the new one
+
+
+def test_a_calibration_text_file_it_cannot_use_is_a_config_error_naming_it(outlier_checkpoint, tmp_path):
+    empty, binary = tmp_path / "empty.txt", tmp_path / "binary.txt"
+    empty.write_text("\n")
+    binary.write_bytes(bytes(range(128, 256)) * 8)
+    for path, words in [(empty, "holds fewer than 2 tokens"), (binary, "is not UTF-8 text")]:
+        with pytest.raises(ConfigError, match=f"quantization_calibration {path} {words}"):
+            Engine.from_model_dir(outlier_checkpoint, num_kv_blocks=64, quantization="int8",
+                                  quantization_calibration=str(path))
+
+
+def test_quantize_checkpoint_answers_bad_input_with_one_line_and_exit_2(outlier_checkpoint, tmp_path, capsys,
+                                                                        monkeypatch):
+    from tools import quantize_checkpoint
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 8)
+    source, out, nowhere = str(outlier_checkpoint), str(tmp_path / "out"), tmp_path / "nowhere"
+
+    def refusal(args: list[str]) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            quantize_checkpoint.main(args)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("usage: ") and "Traceback" not in err, err
+        return err.strip().splitlines()[-1]
+
+    assert re.search(f"error: the model folder {nowhere} .*does not exist", refusal([str(nowhere), out]))
+    assert re.search("error: --rule .* with --quantization mixed", refusal([source, out, "--rule", "*:int8"]))
+    assert f"error: quantization_calibration {binary} is not UTF-8 text" in refusal(
+        [source, out, "--calibration", str(binary)])
+    monkeypatch.setattr(quantize_checkpoint, "Engine", None)  # refused before anything loads
+    assert f"error: out_dir {source} is the source checkpoint" in refusal([source, source])

@@ -1,4 +1,5 @@
-"""The in-process engine API: add_request / abort / step / generate, refusal, seeds, memory."""
+"""The in-process engine API: add_request / abort / step / generate, refusal, seeds, memory, and a
+request whose logits are not finite."""
 from __future__ import annotations
 
 import random
@@ -137,3 +138,23 @@ def test_a_request_resumed_from_streamed_tokens_continues_identically(checkpoint
         assert outputs[-1].final.token_ids == full and outputs[-1].finish_reason == "length"
     with pytest.raises(ValueError, match="already has 24"):
         engine.add_request("done", prompt, params, output_token_ids=full)
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone(llama_dir):
+    """Its neighbours in every step keep the tokens they get alone; it ends with an error, not token 0s."""
+    engine = Engine.from_model_dir(llama_dir, num_kv_blocks=64)
+    prompts = [list(range(5, 25)), [7, 8, 9, 10, 11], list(range(40, 52))]
+    alone = [engine.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
+    marked, sample = prompts[1], engine.runner.sampler
+
+    def poisoned(logits, batch):  # the marked request's rows turn NaN from its 4th token on
+        logits = logits.clone()
+        for row, history in enumerate(batch.token_histories):
+            if list(history[:len(marked)]) == marked and len(history) >= len(marked) + 3:
+                logits[row] = float("nan")
+        return sample(logits, batch)
+    engine.runner.sampler = poisoned
+    first, failed, last = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert first.token_ids == alone[0] and last.token_ids == alone[2]
+    assert failed.finish_reason == "error" and failed.token_ids == alone[1][:3]
+    assert "not finite" in failed.error

@@ -84,6 +84,19 @@ def test_from_model_dir_takes_the_toml_names_and_checks_them_the_same_way(checkp
         Engine.from_model_dir(checkpoints["llama"], heartbeat_interval_s=1.0)  # a process setting, not the engine's
 
 
+def test_settings_this_model_refuses_are_config_errors_naming_the_key(checkpoints, monkeypatch):
+    """Every start would refuse them again: a ConfigError (its worker exits EXIT_DO_NOT_RESTART), raised
+    before any weight is read."""
+    monkeypatch.setattr("worker.engine_builder.load_model", lambda *a, **k: pytest.fail("weights read"))
+    folder = checkpoints["llama"]
+    for settings, words in [(dict(max_model_len=100_000), "max_model_len 100000 exceeds the model's "
+                                                          "max_position_embeddings 512"),
+                            (dict(quantization_activations="int8"), "quantization_activations 'int8' needs "
+                                                                    "quantized layers: set quantization")]:
+        with pytest.raises(ConfigError, match=words):
+            Engine.from_model_dir(folder, device="cpu", **settings)
+
+
 def test_every_engine_name_is_a_worker_toml_key():
     flags = set(ClusterConfig().worker.__dataclass_fields__)
     assert ENGINE_NAMES <= flags

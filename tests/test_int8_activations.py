@@ -327,5 +327,8 @@ def test_the_setting_is_refused_where_it_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="quantization_activations"):
         EngineConfig(quantization_activations="int4")
     folder = make_checkpoint(tmp_path / "llama", "llama")
-    with pytest.raises(ValueError, match="needs quantized layers"):
+    with pytest.raises(ConfigError, match="needs quantized layers"):
         Engine.from_model_dir(folder, device="cpu", quantization_activations="int8", num_kv_blocks=16)
+    with pytest.raises(ConfigError, match=r"quantization 'mixed' \(quantization_rule 'attention:none'\) quantizes"):
+        Engine.from_model_dir(folder, device="cpu", quantization_activations="int8", quantization="mixed",
+                              quantization_rule="attention:none", quantization_calibration="none", num_kv_blocks=16)

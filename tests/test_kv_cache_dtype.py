@@ -2,7 +2,7 @@
 written rounded to nearest even and read widened by every path (our kernels and torch's agree on
 the same rounded values), and an engine over it serves as one over float32 pools does: the same
 tokens with and without the fast path, through prefix hits, chunking and preemption, and close to
-the float32 pool's logits."""
+the float32 pool's logits; a float16 pool that overflows fails its requests, saying so."""
 from __future__ import annotations
 
 import pytest
@@ -253,3 +253,24 @@ def test_prefix_hits_chunking_and_preemption_over_a_half_pool_change_nothing(lla
     assert [final[f"r{i}"].token_ids for i in range(len(prompts))] == alone
     assert crowd.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert [final[f"r{i}"].num_cached_tokens for i in range(4, 8)] == [48] * 4
+
+
+def test_a_float16_pool_that_overflows_fails_its_requests_saying_so(tmp_path):
+    """V past float16's range (65504) is inf in a float16 pool and the logits NaN: the request ends with an
+    error pointing at bfloat16, never with token 0 over and over as if it were an answer."""
+    from safetensors.torch import load_file, save_file
+    folder = make_checkpoint(tmp_path / "large-v", "llama")
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, tensor in weights.items():  # V x 1e6 and the output projection / 1e6: the same model
+        if name.endswith(("v_proj.weight", "o_proj.weight")):
+            tensor.mul_(1e6 if "v_proj" in name else 1e-6)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _prompts(5, [9, 30])
+    for kv_cache_dtype in ("", "bfloat16"):
+        outputs = Engine.from_model_dir(folder, num_kv_blocks=32, kv_cache_dtype=kv_cache_dtype).generate(
+            prompts, GREEDY, use_tqdm=False)
+        assert all(o.finish_reason == "length" and o.token_ids.count(0) < len(o.token_ids) for o in outputs)
+    for out in Engine.from_model_dir(folder, num_kv_blocks=32, kv_cache_dtype="float16").generate(
+            prompts, GREEDY, use_tqdm=False):
+        assert out.finish_reason == "error" and out.token_ids == [], out
+        assert "logits for this request are not finite" in out.error and "kv_cache_dtype 'bfloat16'" in out.error

@@ -1,4 +1,4 @@
-"""A model or tokenizer that can never load: the process says why and exits EXIT_DO_NOT_RESTART,
+"""A model, tokenizer or setting that can never load: the process says why and exits EXIT_DO_NOT_RESTART,
 which its supervisor does not restart (a restart loop would load the model again and again and
 show nothing). A worker tells the gateway first, so the status RPC names the reason, and the
 cluster's other workers keep serving."""
@@ -46,25 +46,60 @@ def _run_until_exit(argv: list[str], log: Path) -> int:
             proc.wait(timeout=10)
 
 
-def test_a_worker_whose_model_cannot_load_tells_the_gateway_and_is_not_restarted(served_checkpoint, tmp_path):
+def _moe_copy(checkpoint: Path, tmp_path: Path) -> tuple[Path, list[str]]:
     moe = tmp_path / "moe"
-    shutil.copytree(served_checkpoint, moe)
+    shutil.copytree(checkpoint, moe)
     config = json.loads((moe / "config.json").read_text())
     (moe / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
+    return moe, []
+
+
+def _empty_calibration_text(checkpoint: Path, tmp_path: Path) -> tuple[Path, list[str]]:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    return checkpoint, ["--worker.quantization", "int8", "--worker.quantization_calibration", str(empty)]
+
+
+# What makes every start fail the same way -> (the model folder and flags, the fault as the worker names it).
+CANNOT_LOAD = {
+    "a checkpoint it refuses": (_moe_copy, "UnsupportedModelError: mixture of experts (num_local_experts=8) is not "
+                                           "supported"),
+    "a setting the model refuses": (lambda checkpoint, _: (checkpoint, ["--worker.max_model_len", "100000"]),
+                                    "ConfigError: max_model_len 100000 exceeds the model's max_position_embeddings"),
+    "a calibration text file it cannot use": (_empty_calibration_text, "ConfigError: quantization_calibration "
+                                              "{tmp_path}/empty.txt holds fewer than 2 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", CANNOT_LOAD)
+def test_a_worker_whose_model_cannot_load_tells_the_gateway_and_is_not_restarted(served_checkpoint, tmp_path, case):
+    make, fault = CANNOT_LOAD[case]
+    model_dir, flags = make(served_checkpoint, tmp_path)
+    fault = fault.format(tmp_path=tmp_path)
     with Cluster(served_checkpoint, num_workers=1) as cluster:
-        log = tmp_path / "worker-moe.log"
+        log = tmp_path / "worker-bad.log"
         rc = _run_until_exit([sys.executable, "-m", "worker.supervisor", "--config", str(cluster.config_path),
-                              "--worker-id", "worker-moe", "--model-dir", str(moe)], log)
+                              "--worker-id", "worker-bad", "--model-dir", str(model_dir), *flags], log)
         text = log.read_text()
         assert rc == EXIT_DO_NOT_RESTART, text
         assert text.count("started model process") == 1, text
-        assert "mixture of experts (num_local_experts=8) is not supported" in text
-        [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-moe"]
+        # One line names the fault; a traceback would only bury it.
+        assert f"worker-bad cannot load the model in {model_dir}: {fault}" in text and "Traceback" not in text, text
+        [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-bad"]
         assert not entry.alive
-        assert entry.exit_reason.startswith(f"cannot load the model in {moe}: UnsupportedModelError: mixture of "
-                                            "experts"), entry.exit_reason
+        assert entry.exit_reason.startswith(f"cannot load the model in {model_dir}: {fault}"), entry.exit_reason
         ids, _, _ = generate(cluster.stub, prompt_token_ids=[5, 6, 7], sampling=dict(max_tokens=4, ignore_eos=True))
         assert len(ids) == 4
+
+
+def test_a_worker_answers_a_bad_config_value_as_the_gateway_does(capsys):
+    """Exit 2 with argparse's line naming the key, before anything loads; no traceback."""
+    from worker.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--worker-id", "w", "--worker.max_num_seqs", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].endswith("error: worker.max_num_seqs must be >= 1, got 0"), err
 
 
 def test_a_gateway_without_a_tokenizer_is_not_restarted(served_checkpoint, tmp_path):

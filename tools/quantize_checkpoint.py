@@ -5,7 +5,9 @@
 Calibrates first (the model's own samples by default; reused from beside the source
 checkpoint when it was done before), quantizes by the rule, and writes the quantized
 checkpoint (worker/model/quantized_checkpoint.py). Serve it with `MODEL=/tmp/default-int4
-honcho start`; the worker sees the quantization in its config.json.
+honcho start`; the worker sees the quantization in its config.json. Input it cannot use (a missing
+or malformed checkpoint, a setting out of range, an unreadable calibration file) exits 2 with one
+line naming it, as argparse does.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from shared.engine_config import ConfigError
 from worker.engine import Engine
+from worker.model.config import CheckpointError, UnsupportedModelError
 from worker.model.quantize_model import PRESETS
 from worker.model.quantized_checkpoint import save_quantized_checkpoint
 
@@ -28,11 +32,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--symmetric", action="store_true", help="INT4 without zero points")
     parser.add_argument("--calibration", default="self", help="'self', a text file, or 'none' (plain rounding)")
     args = parser.parse_args(argv)
+    # Before the model loads and calibrates (minutes): what the arguments alone refuse.
+    if args.out_dir.resolve() == args.model_dir.resolve():
+        parser.error(f"out_dir {args.out_dir} is the source checkpoint: write the quantized one to another folder")
+    if args.rule and args.quantization != "mixed":
+        parser.error(f"--rule replaces the mixed preset's rule: use it with --quantization mixed "
+                     f"(it is {args.quantization})")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    engine = Engine.from_model_dir(args.model_dir, device="cpu", num_kv_blocks=256, enable_prefix_caching=False,
-                                   quantization=args.quantization, quantization_rule=args.rule,
-                                   quantization_group_size=args.group_size, quantization_symmetric=args.symmetric,
-                                   quantization_calibration=args.calibration)
+    try:
+        engine = Engine.from_model_dir(args.model_dir, device="cpu", num_kv_blocks=256, enable_prefix_caching=False,
+                                       quantization=args.quantization, quantization_rule=args.rule,
+                                       quantization_group_size=args.group_size,
+                                       quantization_symmetric=args.symmetric,
+                                       quantization_calibration=args.calibration)
+    except (ConfigError, CheckpointError, UnsupportedModelError) as e:
+        parser.error(str(e))
     report = engine.quantization_report
     rule = engine.config.quantization_rule_parsed()
     info = engine.calibration.info if engine.calibration is not None else None

@@ -1,8 +1,10 @@
 """`python -m worker --worker-id worker-0 [--connect ENDPOINT] [--config FILE] [overrides]`: one model process.
 
 Loads the engine, connects to the gateway over ZeroMQ and serves until SIGTERM (exit 0).
-A fatal error exits non-zero so its supervisor (worker/supervisor.py) restarts it; a checkpoint
-it refuses or cannot read exits EXIT_DO_NOT_RESTART, which its supervisor does not restart.
+A bad config value exits 2 naming it, as argparse does. A fatal error exits non-zero so its
+supervisor (worker/supervisor.py) restarts it; a checkpoint it refuses or cannot read, or settings
+the engine refuses for this model or device (a ConfigError: every start would refuse them again),
+exits EXIT_DO_NOT_RESTART, which its supervisor does not restart.
 """
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import sys
 
 import zmq
 
-from shared.config import add_config_flags, config_from_args
+from shared.config import ConfigError, add_config_flags
 from shared.cpu_affinity import pin_process
 from shared.supervisor import EXIT_DO_NOT_RESTART
-from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect
+from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect, worker_config
 from worker.process_environment import apply_model_process_environment
 
 
@@ -24,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_flags(parser)
     add_config_flags(parser)
     args = parser.parse_args(expand_connect(list(sys.argv[1:] if argv is None else argv)))
-    config = config_from_args(args)
+    config = worker_config(parser, args)
     args.worker_id = args.worker_id or default_worker_id(config)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s")
     # Before torch starts its threads: they inherit the mask.
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             service = WorkerService(config, args.worker_id)
-        except (CheckpointError, UnsupportedModelError) as e:
+        except (CheckpointError, UnsupportedModelError, ConfigError) as e:
             # Every start would fail the same way: no restart (the gateway was told why). The message
             # names the fault; a traceback would only bury it.
             logging.getLogger("worker").error("%s cannot load the model in %s: %s: %s", args.worker_id,

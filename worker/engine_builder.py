@@ -17,7 +17,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from shared.engine_config import EngineConfig
+from shared.engine_config import ConfigError, EngineConfig
 from worker.block_manager import BlockManager
 from worker.calibrate import load_or_calibrate
 from worker.kv_cache import (KVCache, allocate_kv_cache, num_blocks_for_budget, num_blocks_from_free_cuda_memory,
@@ -131,19 +131,21 @@ def build_engine(model_dir: str | Path, config: EngineConfig, make_engine: Calla
 
 
 def _use_int8_activations(target: _Target, model: Transformer) -> None:
-    if target.device.type != "cpu":
-        raise ValueError(f"quantization_activations 'int8' runs on our CPU kernels; the device is {target.device}")
     switched, quantized = use_int8_activations(model)
-    if not quantized:
-        raise ValueError("quantization_activations 'int8' needs quantized layers: set quantization, or serve a "
-                         "quantized checkpoint")
+    if not quantized:  # a rule that quantizes no layer of this model
+        config = target.config
+        rule = f" (quantization_rule {config.quantization_rule!r})" if config.quantization_rule else ""
+        raise ConfigError(f"quantization_activations 'int8' needs quantized layers; quantization "
+                          f"{config.quantization!r}{rule} quantizes none of {target.model_dir}")
     log.info("int8 activations on %d of %d quantized layers%s", switched, quantized,
              "" if switched == quantized else " (the others: no CPU kernels, or K or the group size not whole "
              "blocks of 32)")
 
 
 def _check_target(model_dir: Path, config: EngineConfig) -> _Target:
-    """Everything that can be refused before weights are read, refused here."""
+    """Everything that can be refused before weights are read, refused here. A setting this model
+    or device refuses is a ConfigError naming it: every start would refuse it again, so its worker
+    is not restarted (worker/__main__.py)."""
     if config.load_mode == "sharded":
         device = torch.device(config.devices[0])  # the first stage takes the inputs
     elif config.device == "auto":
@@ -153,12 +155,19 @@ def _check_target(model_dir: Path, config: EngineConfig) -> _Target:
     model_config = ModelConfig.from_model_dir(model_dir)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
-                         f"max_position_embeddings {model_config.max_position_embeddings}")
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                          f"{model_config.max_position_embeddings} ({model_dir / 'config.json'})")
     stored = quantization_config(model_dir)
     if stored is not None and config.quantization != "none":
-        raise ValueError(f"{model_dir} is already quantized ({stored.get('rule')}); serve it with "
-                         f"quantization 'none', or quantize its float source instead")
+        raise ConfigError(f"quantization {config.quantization!r}: {model_dir} is already quantized "
+                          f"({stored.get('rule')}); serve it with quantization 'none', or quantize its float "
+                          f"source instead")
+    if config.quantization_activations == "int8":
+        if device.type != "cpu":
+            raise ConfigError(f"quantization_activations 'int8' runs on our CPU kernels; the device is {device}")
+        if stored is None and config.quantization == "none":
+            raise ConfigError("quantization_activations 'int8' needs quantized layers: set quantization (it is "
+                              f"'none'), or serve a quantized checkpoint ({model_dir} is not one)")
     plan = plan_weights(config.load_mode, device, config.devices, model_config.num_layers)
     return _Target(config, model_dir, model_config, device, max_model_len, plan)
 

@@ -3,7 +3,8 @@ runs the transformer (or the CPU fast path the engine chose for it) on its own C
 (when on CUDA), and samples.
 
 Owns the tensors of a step, and running a step despite an out-of-memory error (free what
-the device caches, run the step in halves); knows nothing of scheduling policy or sockets.
+the device caches, run the step in halves) or a request's non-finite logits (that request
+fails, the rest of the step stands); knows nothing of scheduling policy or sockets.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.cpu_fast_path import CpuFastPath
 from worker.model.transformer import Transformer
 from worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from worker.scheduled_step import StepFailure
 
 log = logging.getLogger(__name__)
 # The CPU allocator reports exhaustion as a plain RuntimeError carrying this text.
@@ -218,8 +220,9 @@ class ModelRunner:
 
     def execute(self, seqs: list[SequenceStep]) -> list[SampledToken | list[SampledToken] | None]:
         """Run one step; per sequence (in input order) its sampled (token, logprob, top logprobs),
-        a list of 1 + len(draft) of them for a sequence verifying a draft, or None for a prompt
-        chunk that does not reach the end of what is known."""
+        a list of 1 + len(draft) of them for a sequence verifying a draft, None for a prompt
+        chunk that does not reach the end of what is known, or a StepFailure for one whose logits
+        were not finite (the sampler's non_finite_rows)."""
         if not seqs:
             return []
         num_seqs = len(seqs)
@@ -258,7 +261,23 @@ class ModelRunner:
             results[order[j]] = [(token_ids[r], logprobs[r] if logprobs is not None else None,
                                   tops[r] if tops is not None else None) for r in range(row, stop)]
             row = stop
+        if result.non_finite_rows:
+            self._fail_non_finite(results, [(ordered[j], order[j]) for j in sampled], set(result.non_finite_rows))
         return results
+
+    def _fail_non_finite(self, results: list, sampled: list[tuple[SequenceStep, int]], rows: set[int]) -> None:
+        """A StepFailure for each sampled (sequence, its index in results) with a sampler row in `rows`: a
+        token drawn from NaN logits means nothing, and its later steps would read the same overflowed K/V."""
+        half = self.kv_caches and self.kv_caches[0][0].dtype == torch.float16
+        hint = " (a float16 KV pool holds up to 65504: kv_cache_dtype 'bfloat16' has float32's range)" if half else ""
+        start = 0
+        for seq, index in sampled:
+            if not rows.isdisjoint(range(start, start + seq.num_samples)):
+                results[index] = StepFailure(f"the model's logits for this request are not finite (NaN or inf): "
+                                             f"an activation overflowed its dtype{hint}")
+            start += seq.num_samples
+        log.error("non-finite logits in %d of a step's %d sampled rows: failing their requests%s", len(rows), start,
+                  hint)
 
     def _forward_and_sample(self, seqs: list[SequenceStep]) -> tuple[list[int], SamplerOutput | None]:
         """The step of `seqs` (in step order): the positions of the sequences that sample, and the

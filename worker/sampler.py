@@ -86,6 +86,9 @@ class SamplerOutput:
     # Per row: its top_logprobs most likely tokens under the same raw distribution (top_logprobs()); () for
     # rows that asked for none. None when no row asked.
     top_logprobs: list[TopLogprobs] | None = None
+    # The rows whose raw logits are not all finite (NaN or inf: an activation overflowed, e.g. K/V past a
+    # float16 pool's range); their tokens mean nothing. None on a step without such a row.
+    non_finite_rows: list[int] | None = None
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
@@ -211,7 +214,19 @@ class Sampler:
                 for j, i in enumerate(logprob_rows):
                     if params[i].top_logprobs:
                         tops[i] = top_logprobs(raw_logprobs[j], params[i].top_logprobs)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=tops)
+        token_ids = tokens.tolist()
+        # A row of NaN logits comes out of every path as token 0 (argmax takes the first NaN, our kernel
+        # finds no maximum, a NaN softmax draws index 0, and _process sends its rows there), so only a step
+        # where some row took 0 looks at logits again: the check costs the other steps nothing.
+        non_finite = self._non_finite_rows(logits, token_ids) if 0 in token_ids else None
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops, non_finite_rows=non_finite)
+
+    @staticmethod
+    def _non_finite_rows(logits: torch.Tensor, token_ids: list[int]) -> list[int] | None:
+        """The rows that took token 0 whose logits [B, V] are not all finite; None if there are none."""
+        rows = [i for i, t in enumerate(token_ids) if t == 0]
+        finite = torch.isfinite(logits[rows]).all(dim=-1).tolist()  # logits[rows]: a copy of those rows only
+        return [i for i, ok in zip(rows, finite) if not ok] or None
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax of each row of the raw logits [R, V] (any float dtype, never copied); token ids [R]."""
@@ -265,13 +280,18 @@ class Sampler:
         sampled_generators = [batch.generators[i] for i in sampled_rows]
         sampled_seeds = [batch.seeds[i] for i in sampled_rows] if batch.seeds is not None else None
         if len(sampled_rows) == num_rows:
-            return self._sample(x, sampled_params, sampled_generators, sampled_seeds)  # [P]
-        tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
-        if sampled_rows:
-            row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
-            xs = x.index_select(0, row_index)  # [S, V]
-            tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators, sampled_seeds))
-        return tokens
+            tokens = self._sample(x, sampled_params, sampled_generators, sampled_seeds)  # [P]
+        else:
+            tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
+            if sampled_rows:
+                row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
+                xs = x.index_select(0, row_index)  # [S, V]
+                tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators,
+                                                              sampled_seeds))
+        # A row left without a finite logit to take (NaN, which a ban or a grammar's mask may have moved
+        # off index 0) takes token 0, as an unedited row does: __call__'s one check then finds it.
+        chosen = x.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [P]
+        return tokens.masked_fill_(~torch.isfinite(chosen), 0)
 
     @staticmethod
     def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:

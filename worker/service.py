@@ -6,7 +6,8 @@ engine; the heartbeat and watchdog threads only read. Memory (DESIGN.md section 
 watchdog reports a level, this loop decides what it calls for, the scheduler and engine act.
 A fatal error tells the gateway (WorkerExit) and exits non-zero, so the supervisor restarts us;
 so does a model that fails to load, and one that never will (a checkpoint this engine refuses or
-cannot read) exits EXIT_DO_NOT_RESTART (worker/__main__.py), which its supervisor does not restart.
+cannot read, settings it refuses for this model) exits EXIT_DO_NOT_RESTART (worker/__main__.py),
+which its supervisor does not restart.
 
 KV events: after each step (before its outputs) the loop sends the prefix-cache blocks registered
 and dropped since the last report (KvEvents, seq 1, 2, ... per incarnation), and a full snapshot when the

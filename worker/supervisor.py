@@ -16,10 +16,9 @@ import argparse
 import logging
 import sys
 
-from shared.config import ConfigError, add_config_flags, config_from_args
-from shared.curve import WORKER, transport_keys
+from shared.config import add_config_flags
 from shared.supervisor import supervise
-from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect
+from shared.worker_identity import add_worker_flags, default_worker_id, expand_connect, worker_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,11 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     add_worker_flags(parser)
     add_config_flags(parser)
     args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)  # fail here, once, on a bad config rather than in a restart loop
-        transport_keys(config, WORKER)  # and on a transport it may not use (plain tcp://, missing keys)
-    except ConfigError as e:
-        parser.error(str(e))
+    config = worker_config(parser, args)  # fails here, once, on a bad config rather than in a restart loop
     if args.worker_id is None:  # fixed now, so every restart of the model process keeps it
         args.worker_id = default_worker_id(config)
         argv = [*argv, "--worker-id", args.worker_id]

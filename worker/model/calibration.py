@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shared.engine_config import ConfigError
 from worker.model.quantized_weight import dequantize, quantize
 from worker.model.quantize_model import QuantizationRule, quantization_targets
 
@@ -90,15 +91,23 @@ def calibration_prompts(model_dir: Path, settings: CalibrationSettings, vocab_si
 
 
 def text_file_windows(model_dir: Path, settings: CalibrationSettings, window: int) -> list[list[int]]:
-    """Consecutive windows of the given text file, as many as self-generation would make."""
+    """Consecutive windows of the given text file, as many as self-generation would make. A file
+    or model that cannot give any is a ConfigError naming quantization_calibration's file."""
+    source = settings.source
     tokenizer = _tokenizer(model_dir)
     if tokenizer is None:
-        raise ValueError(f"calibrating from a text file needs the model's tokenizer.json in {model_dir}")
-    ids = tokenizer.encode(Path(settings.source).read_text(), add_special_tokens=False).ids
+        raise ConfigError(f"quantization_calibration {source}: calibrating from a text file needs the model's "
+                          f"tokenizer.json in {model_dir}")
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"quantization_calibration {source} is not UTF-8 text ({e.reason} at byte {e.start})"
+                          ) from None
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
     windows = [ids[i:i + window] for i in range(0, len(ids), window)]
     windows = [w for w in windows if len(w) >= 2][:settings.num_prompts * settings.samples_per_prompt]
     if not windows:
-        raise ValueError(f"calibration text file {settings.source} holds fewer than 2 tokens")
+        raise ConfigError(f"quantization_calibration {source} holds fewer than 2 tokens")
     return windows
 
 
@@ -190,13 +199,20 @@ class Calibration:
 
     @classmethod
     def load(cls, path: Path) -> "Calibration":
-        from safetensors import safe_open
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("version") != str(_FILE_VERSION):
-            raise ValueError(f"calibration file {path} has version {meta.get('version')}, expected {_FILE_VERSION}")
-        errors = {k: tuple(v) for k, v in json.loads(meta["errors"]).items()}
-        return cls(load_file(str(path)), json.loads(meta["alphas"]), errors, json.loads(meta["info"]))
+        """The calibration saved in `path`; ValueError naming it if the file is not one of ours
+        whole (torn by a copy, another version, another program's safetensors)."""
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("version") != str(_FILE_VERSION):
+                raise ValueError(f"calibration file {path} has version {meta.get('version')}, "
+                                 f"expected {_FILE_VERSION}")
+            errors = {k: tuple(v) for k, v in json.loads(meta["errors"]).items()}
+            return cls(load_file(str(path)), json.loads(meta["alphas"]), errors, json.loads(meta["info"]))
+        # SafetensorError derives from Exception alone; the others are metadata of the wrong shape.
+        except (SafetensorError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"calibration file {path} does not read as one: {type(e).__name__}: {e}") from e
 
     def summary(self) -> str:
         if not self.errors:
