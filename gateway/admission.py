@@ -202,6 +202,10 @@ class Admission:
         except QueueFullError as e:
             self.exhausted(request_id, str(e), principal)
         except DuplicateRequestError:  # another one with this id was admitted while we tokenized
+            if group_id and group_id != request_id:  # the id of one of several sequences, not the client's
+                self.refuse(group_id, grpc.StatusCode.ALREADY_EXISTS,
+                            f"request_id {group_id!r} cannot be used now: one of its sequences would run as "
+                            f"{request_id!r}, the id of a request already in flight", principal=principal)
             self.refuse_duplicate(request_id, principal)
         if checked.charge is not None:
             checked.charge.queued()

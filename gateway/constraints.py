@@ -16,6 +16,7 @@ from pathlib import Path
 
 import llguidance
 
+from gateway.json_nesting import loads, too_deep
 from protos import inference_pb2
 
 
@@ -47,23 +48,25 @@ class ConstraintCompiler:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error or messages:
             kind = constraint.WhichOneof("kind")
-            raise ConstraintError(f"structured_output.{kind} cannot be enforced: {'; '.join(messages)}")
+            # llguidance's words for text nested past the 128 levels its JSON parser follows
+            why = ("nests too deeply to be enforced" if any("recursion limit exceeded" in m for m in messages)
+                   else "cannot be enforced")
+            raise ConstraintError(f"structured_output.{kind} {why}: {'; '.join(messages)}")
         return grammar
 
 
 def grammar_of(constraint: inference_pb2.StructuredOutput) -> str:
     kind = constraint.WhichOneof("kind")
     if kind == "json_schema":
-        try:
-            schema = json.loads(constraint.json_schema)
-        except json.JSONDecodeError as e:
-            raise ConstraintError(f"structured_output.json_schema is not valid JSON: {e}") from None
+        schema = loads(constraint.json_schema, "structured_output.json_schema", ConstraintError)
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError("structured_output.json_schema must be a JSON object (a schema)")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as e:
             raise ConstraintError(f"structured_output.json_schema: {e}") from None
+        except RecursionError:  # written back as text, a few calls deeper than it was parsed
+            raise ConstraintError(too_deep("structured_output.json_schema")) from None
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":

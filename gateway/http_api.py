@@ -33,7 +33,7 @@ from gateway.admission import Admission, Refusal, choice_params
 from gateway.auth import ANONYMOUS, Principal
 from gateway.http_auth import GENERATE_PATHS, ApiKeyCheck, principal_of
 from gateway.http_body_limit import BodyLimit
-from gateway.http_errors import ApiError, http_error, internal_error, validation_error
+from gateway.http_errors import ApiError, http_error, internal_error, too_deep_body, validation_error
 from gateway.openai_requests import (ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request,
                                      completion_requests, named_as_in_body)
 from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
@@ -103,13 +103,15 @@ class OpenAiApi:
             self.refused(http.headers.get("x-request-id", "-"), e.status, e.message, principal_of(http.scope))
         return e.response()
 
-    def _answer_http_exception(self, http: Request, e: StarletteHTTPException) -> Response:
+    async def _answer_http_exception(self, http: Request, e: StarletteHTTPException) -> Response:
         # FastAPI reports a client that went away while sending its body as a 400 body-parse error:
         # that client cancelled, and its request counts as such, not as a bad request.
         if isinstance(e.__cause__, ClientDisconnect) and http.url.path in GENERATE_PATHS:
             refuse_request(http.headers.get("x-request-id", "-"), grpc.StatusCode.CANCELLED.name,
                            "the client went away while sending its body", self.metrics, principal_of(http.scope).name)
             return Response(status_code=499)
+        if isinstance(e.__cause__, RecursionError):  # the same generic 400, for a body nested too deeply
+            return self._answer_error(http, await too_deep_body(http))
         return self._answer_error(http, http_error(e))
 
     def refused(self, request_id: str, status: int, message: str, principal: Principal = ANONYMOUS) -> None:
@@ -151,6 +153,8 @@ class OpenAiApi:
         except UnicodeEncodeError as e:  # JSON may carry a lone surrogate, which no UTF-8 string holds
             raise ApiError(400, f"the body's text must be valid Unicode: {e.object[e.start:e.end]!r} is a lone "
                                 f"surrogate") from None
+        except RecursionError:  # a schema or tool parsed, but nested too deeply to write back as JSON
+            raise await too_deep_body(request) from None
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await self._generate(request, request_id, requests, presentation, body.timeout, chat)
 

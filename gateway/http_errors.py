@@ -1,8 +1,10 @@
 """The OpenAI API's errors: OpenAI's body `{"error": {"message", "type", "param", "code"}}` under the
 status the client libraries map, from an admission refusal (a gRPC status), a body that failed
-its schema (400 naming the field, never FastAPI's 422) or anything else (500)."""
+its schema (400 naming the field, never FastAPI's 422), a body nested too deeply to parse (400
+naming the field) or anything else (500)."""
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 
@@ -12,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.json_nesting import deep_path, too_deep
 from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS
 from gateway.openai_responses import error_body
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -83,6 +86,23 @@ def validation_error(e: RequestValidationError) -> ApiError:
     else:
         message = f"{param or 'body'}: {first['msg']}"
     return ApiError(400, message, param or None, first.get("type"))
+
+
+# Where a body holds JSON of the client's own design (a schema), named whole; elsewhere a body that
+# nests too deeply is named by its top-level field.
+_FREE_FORM = re.compile(r"^(?:response_format\.json_schema\.schema|structured_outputs\.json|"
+                        r"tools\[\d+\]\.function\.parameters)(?=[.\[]|$)")
+
+
+async def too_deep_body(http: Request) -> ApiError:
+    """The 400 for a body nested deeper than the gateway parses (the JSON parser, or a walk over
+    the parsed body, raised RecursionError), naming the field that does. Called only once the
+    body has been read; the search runs off the loop (a body may hold a million values)."""
+    path = await asyncio.to_thread(deep_path, await http.body())
+    written = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    match = _FREE_FORM.match(written)
+    field = match[0] if match else path[0] if path and isinstance(path[0], str) else None
+    return ApiError(400, too_deep(field or "the body"), field)
 
 
 # The codes of the HTTP layer's own refusals, as gateway/http_body_limit.py writes them itself

@@ -1,5 +1,6 @@
 """The gateway's listening ports: binding them alone or shared with SO_REUSEPORT
-(`gateway.reuse_port`), and the error that names the address and the setting when one is taken.
+(`gateway.reuse_port`), and the error that names the address and the setting when one is taken;
+and the largest request the gRPC port takes, which follows the request bounds.
 
 Only the front doors (gRPC `gateway.port`, HTTP `gateway.http_port`) may be shared. The metrics
 port and the worker endpoint belong to one gateway each: on a shared port a scrape would read
@@ -13,18 +14,43 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the supervisor imports this module, and need not load gRPC to check a port
     import grpc
 
+    from shared.config import GatewayConfig
+
 # The backlog of the HTTP socket; gRPC sets its own.
 HTTP_BACKLOG = 1024
+# Of a GenerateRequest beyond the characters its bounds count: the framing of each chat message,
+# stop string, stop token id and logit_bias entry (a few bytes of tags and lengths; 64 is ample),
+# and of everything else (ids, sampling's numbers, the choices of a constraint).
+_BYTES_PER_ITEM = 64
+_BYTES_BESIDES = 256 << 10
+# gRPC's own default, kept as the least: prompt_token_ids are bounded by no character count (an
+# over-long list is refused, or truncated, by the gateway itself, not by gRPC).
+_GRPC_DEFAULT_BYTES = 4 << 20
 
 
 class ListenError(OSError):
     """A port the gateway must listen on could not be bound; the message names it and the fix."""
 
 
-def grpc_server_options(reuse_port: bool) -> list[tuple[str, int]]:
+def grpc_server_options(reuse_port: bool, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
     # gRPC sets SO_REUSEPORT on Linux unless told not to, which would let a second gateway
     # silently take half the connections of a port it was never meant to share.
-    return [("grpc.so_reuseport", int(reuse_port))]
+    options = [("grpc.so_reuseport", int(reuse_port))]
+    if max_receive_bytes is not None:
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return options
+
+
+def max_request_bytes(g: GatewayConfig) -> int:
+    """The largest GenerateRequest the gateway's bounds let through, in bytes: gRPC's own limit
+    (4 MiB unless set) would otherwise refuse, with a RESOURCE_EXHAUSTED of its own, a prompt
+    within `max_prompt_chars`. Every character the bounds count (a prompt, or a chat's contents and
+    tools; the constraint; the stop strings) at UTF-8's longest, 4 bytes, plus the framing; never
+    less than gRPC's default."""
+    chars = g.max_prompt_chars + g.max_schema_bytes + g.max_stop_strings * g.max_stop_chars
+    items = g.max_chat_messages + g.max_stop_strings + g.max_stop_token_ids + g.max_logit_bias
+    needed = 4 * chars + _BYTES_PER_ITEM * items + _BYTES_BESIDES
+    return min(max(needed, _GRPC_DEFAULT_BYTES), 2**31 - 1)  # gRPC's options are C ints
 
 
 def _taken(address: str, what: str, setting: str, reuse_port: bool, reason: str) -> ListenError:

@@ -202,7 +202,9 @@ _PLACED_TOOL = re.compile(r"#?/\$defs/function(\d+)((?:/[^\s'\"]*)?)")
 
 
 def named_as_in_body(message: str, constraint_field: str) -> str:
-    """An admission refusal's message with the constraint named by the body field it came from."""
+    """An admission refusal's message with the constraint named by the body field it came from,
+    and a chat's tools_json (the gRPC field) as the body's `tools`."""
+    message = message.replace("tools_json", "tools")
     if not constraint_field:
         return message
     message = _GRPC_CONSTRAINT.sub(constraint_field, message, count=1)

@@ -25,7 +25,7 @@ from gateway.auth import KeyStore, check_exposure, is_loopback
 from gateway.dispatcher import Dispatcher
 from gateway.http_api import OpenAiApi
 from gateway.http_server import HttpServer
-from gateway.listen import add_grpc_port, grpc_server_options
+from gateway.listen import add_grpc_port, grpc_server_options, max_request_bytes
 from gateway.metrics import Metrics
 from gateway.relay import DeadlinePassed, event_batches
 from gateway.request_log import finish_request
@@ -149,6 +149,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if has_tokens:
                     yield response
         except DeadlinePassed as e:
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= _DEADLINE_SLACK_S:
+                # The RPC's own deadline: gRPC ends the call with DEADLINE_EXCEEDED itself, and an abort
+                # racing it fails in gRPC's core, which logs that as an ERROR with tracebacks.
+                raise asyncio.CancelledError() from None
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
 
@@ -230,7 +235,7 @@ class Gateway:
         self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
         self.admission = Admission(config, self.tokenizer, self.dispatcher, keys=self.keys)
         self.servicer = InferenceServicer(config, self.admission)
-        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port))
+        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g)))
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

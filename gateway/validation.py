@@ -8,13 +8,13 @@ tokenizes and may be run on a pool thread (gateway/offload.py).
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
 
 import grpc
 
 from gateway.constraints import ConstraintCompiler, ConstraintError, constraint_size
+from gateway.json_nesting import loads
 from gateway.rate_limit import TokenCharge
 from gateway.tokenizer import Tokenizer, TokenizerError
 from protos import inference_pb2
@@ -59,11 +59,16 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
         raise _invalid(f"{len(request.messages)} chat messages; the gateway takes at most "
                        f"{limits.max_chat_messages} (gateway.max_chat_messages)")
     if request.messages:
-        num_chars = len(request.tools_json) + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) + len(m.name)
-                                                  + len(m.tool_call_id) for m in request.messages)
+        num_tools = len(request.tools_json)
+        num_chars = num_tools + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) + len(m.name)
+                                    + len(m.tool_call_id) for m in request.messages)
         if num_chars > limits.max_prompt_chars:
-            raise _invalid(f"the chat messages are {num_chars} characters together; the gateway takes at most "
-                           f"{limits.max_prompt_chars} (gateway.max_prompt_chars)")
+            # Named by the larger part first: the field the client would shorten.
+            what = ("messages are" if not num_tools else "tools_json and messages are" if 2 * num_tools > num_chars
+                    else "messages and tools_json are")
+            raise _invalid(f"{what} {num_chars} characters together"
+                           + (f" ({num_tools} of them tools_json)" if num_tools else "")
+                           + f"; the gateway takes at most {limits.max_prompt_chars} (gateway.max_prompt_chars)")
     if len(request.session_id) > MAX_SESSION_ID_LEN:
         raise _invalid(f"session_id is {len(request.session_id)} characters; at most {MAX_SESSION_ID_LEN}")
     stops = request.sampling.stop
@@ -207,10 +212,7 @@ def _template_message(i: int, m: inference_pb2.ChatMessage) -> dict:
 
 def _template_calls(i: int, text: str) -> list[dict]:
     where = f"messages[{i}].tool_calls"
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _invalid(f"{where} is not JSON: {e}") from None
+    calls = loads(text, where, _invalid)
     if not isinstance(calls, list) or not calls:
         raise _invalid(f"{where} must be a non-empty list of calls")
     out = []
@@ -220,10 +222,7 @@ def _template_calls(i: int, text: str) -> list[dict]:
                 and isinstance(function.get("arguments"), str) and isinstance(call.get("id", ""), str)):
             raise _invalid(f"{where}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
                            f"\"arguments\": JSON text}}}}")
-        try:
-            arguments = json.loads(function["arguments"])
-        except json.JSONDecodeError as e:
-            raise _invalid(f"{where}[{j}].function.arguments is not JSON: {e}") from None
+        arguments = loads(function["arguments"], f"{where}[{j}].function.arguments", _invalid)
         out.append({"id": call.get("id", ""), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
@@ -232,10 +231,7 @@ def _template_calls(i: int, text: str) -> list[dict]:
 def _template_tools(text: str) -> list[dict] | None:
     if not text:
         return None
-    try:
-        tools = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _invalid(f"tools_json is not JSON: {e}") from None
+    tools = loads(text, "tools_json", _invalid)
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise _invalid("tools_json must be a JSON list of tools")
     return tools

@@ -47,8 +47,8 @@ class GatewayConfig:
     stream_interval: int = 1
     stream_hold_ms: float = 50.0
     # Request size bounds, checked before any tokenizing or rendering: every size a client picks
-    # is bounded before work is done on it. A prompt's characters (a chat's contents together)
-    # also sit under gRPC's own 4 MiB message limit.
+    # is bounded before work is done on it. gRPC's message limit follows them (gateway/listen.py
+    # max_request_bytes: 4 bytes a character they count, plus framing; about 17 MB by default).
     max_prompt_chars: int = 4 << 20
     max_chat_messages: int = 1024
     max_stop_strings: int = 16

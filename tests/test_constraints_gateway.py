@@ -1,5 +1,6 @@
 """Structured output, the gateway's half: each kind of constraint becomes an llguidance grammar,
-and what llguidance cannot enforce is refused with a message naming it, over gRPC and HTTP."""
+and what llguidance cannot enforce is refused with a message naming it, over gRPC and HTTP. JSON
+a request carries (a schema, tools, tool calls) nested too deeply is refused naming its field."""
 from __future__ import annotations
 
 import json
@@ -27,8 +28,17 @@ GOOD = [
     pb.StructuredOutput(grammar='start: "ab"+'),
     pb.StructuredOutput(choice=pb.Choices(choices=["yes", 'say "no"'])),
 ]
+
+
+def nested_schema(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
+
+
 BAD = [
     (pb.StructuredOutput(json_schema="{not json"), "not valid JSON"),
+    # Deeper than llguidance's JSON parser follows, and than Python's (a RecursionError before).
+    (pb.StructuredOutput(json_schema=nested_schema(200)), "nests too deeply to be enforced"),
+    (pb.StructuredOutput(json_schema=nested_schema(1200)), "nests too deeply"),
     (pb.StructuredOutput(json_schema="[1, 2]"), "must be a JSON object"),
     (pb.StructuredOutput(json_schema=json.dumps({"not": {"type": "string"}})), "not"),
     (pb.StructuredOutput(json_schema=json.dumps({"type": "array", "uniqueItems": True})), "uniqueItems"),
@@ -51,6 +61,29 @@ def test_what_cannot_be_enforced_is_refused_naming_it(compiler, constraint, name
     with pytest.raises(ConstraintError) as e:
         compiler.grammar(constraint)
     assert named in str(e.value) and constraint.WhichOneof("kind") in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["structured_output.json_schema", "tools_json", "messages[1].tool_calls",
+                                   "messages[1].tool_calls[0].function.arguments"])
+def test_json_nested_too_deeply_is_invalid_argument_naming_its_field(compiler, tokenizer, field):
+    from gateway.validation import InvalidRequest, validate
+
+    deep = "[" * 5000 + "]" * 5000
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x"),
+                                           pb.ChatMessage(role="assistant", tool_calls_json=json.dumps(calls))])
+    if field == "structured_output.json_schema":
+        request.sampling.structured_output.json_schema = deep
+    elif field == "tools_json":
+        request.tools_json = deep
+    elif field == "messages[1].tool_calls":
+        request.messages[1].tool_calls_json = deep
+    else:
+        calls[0]["function"]["arguments"] = deep
+        request.messages[1].tool_calls_json = json.dumps(calls)
+    with pytest.raises(InvalidRequest) as e:
+        validate(request, tokenizer, 512, 4, compiler)
+    assert e.value.message.startswith(f"{field} nests too deeply"), e.value.message
 
 
 def chat_body(**fields):

@@ -38,7 +38,8 @@ ODD = st.sampled_from(["\x00", "\u200b", "\ufeff", "\U0001f642" * 3, "e\u0301", 
 
 
 def huge(piece, sizes=(1_000, 100_000, 5_000_000)):
-    """`piece` repeated to sizes past the gateway's bounds (and, the largest, past gRPC's 4 MiB)."""
+    """`piece` repeated to sizes past the gateway's bounds (the largest, but for "a", past gRPC's
+    message limit too)."""
     return st.builds(lambda p, n: p * n, piece, st.sampled_from(sizes))
 
 

@@ -1,6 +1,7 @@
 """Every size a client picks is bounded before work is done on it: prompt characters, chat messages,
 stop strings (count and length) and stop token ids, each refused with INVALID_ARGUMENT naming the
-setting; a full tokenizer pool answers RESOURCE_EXHAUSTED with a retry hint."""
+setting; gRPC's own message limit lets every request within them through; a full tokenizer pool
+answers RESOURCE_EXHAUSTED with a retry hint."""
 from __future__ import annotations
 
 import asyncio
@@ -38,6 +39,9 @@ OVER = [
     ("chat messages", dict(messages=chat(*"abcde")), "5 chat messages", "gateway.max_chat_messages"),
     ("chat chars", dict(messages=chat("x" * 600, "y" * 600)), "1208 characters together",
      "gateway.max_prompt_chars"),
+    # Named by what makes up the bulk: a chat over the bound by its tools says so first.
+    ("chat tools chars", dict(messages=chat("hi"), tools_json="[" + " " * 1000 + "]"),
+     "tools_json and messages are 1008 characters together (1002 of them tools_json)", "gateway.max_prompt_chars"),
     ("stop strings", dict(prompt_token_ids=[5], sampling=inference_pb2.SamplingOptions(stop=["a", "b", "c"])),
      "3 stop strings", "gateway.max_stop_strings"),
     ("stop chars", dict(prompt_token_ids=[5], sampling=inference_pb2.SamplingOptions(stop=["ok", "x" * 9])),
@@ -76,6 +80,25 @@ def test_a_million_prompt_token_ids_are_refused_without_reading_them(cluster):
                                               sampling=dict(max_tokens=2)), timeout=30))[-1]
     assert last.usage.prompt_tokens == 8
     assert time.monotonic() - started < 30
+
+
+def test_a_prompt_of_max_prompt_chars_is_taken_over_grpc(served_checkpoint):
+    """gRPC's own message limit (4 MiB unless set) would refuse the default bound's prompt with a
+    RESOURCE_EXHAUSTED of its own: it follows the bounds, UTF-8's longest characters included."""
+    with FakeCluster(served_checkpoint, step_ms=5) as cluster:
+        limit = load_config().gateway.max_prompt_chars
+        last = list(cluster.stub.Generate(inference_pb2.GenerateRequest(
+            prompt="x" * limit, truncate_prompt_tokens=8, sampling=inference_pb2.SamplingOptions(max_tokens=2)),
+            timeout=60))[-1]
+        assert last.usage.prompt_tokens == 8
+        with pytest.raises(grpc.RpcError) as e:  # uncut, it is the model's context that refuses it
+            list(cluster.stub.Generate(inference_pb2.GenerateRequest(prompt="x" * limit), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
+        for prompt in ("x" * (limit + 1), "\U0001f642" * (limit + 1)):  # 1 and 4 bytes a character
+            with pytest.raises(grpc.RpcError) as e:
+                list(cluster.stub.Generate(inference_pb2.GenerateRequest(prompt=prompt), timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert "gateway.max_prompt_chars" in e.value.details()
 
 
 def test_a_full_tokenizer_pool_is_resource_exhausted(served_checkpoint):

@@ -1,14 +1,17 @@
 """Every outcome of Generate lands in the status metric and the request log exactly once, under the
 gRPC status the client saw: OK, DEADLINE_EXCEEDED (mid-stream and while queued), CANCELLED,
-RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ALREADY_EXISTS and UNAVAILABLE.
+RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ALREADY_EXISTS and UNAVAILABLE; a routine deadline logs no
+traceback.
 
 The real gateway runs in front of one fake worker (20 ms a token, one request at a time), so
 a stream lasts exactly as long as a test needs.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -97,6 +100,52 @@ def test_deadline_mid_stream_is_deadline_exceeded(served_checkpoint):
         assert all(r[0]["completion_tokens"] > 0 for r in records.values()), "deadlines did not pass mid-stream"
         # Whichever noticed the deadline first, the log's finish reason says it alike.
         assert {r[0]["finish_reason"] for r in records.values()} == {"error"}
+        assert "Traceback" not in (cluster.run_dir / "gateway.log").read_text(errors="replace")
+
+
+class DeadlineContext:
+    """What the relay uses of a grpc.aio ServicerContext, with the RPC's time left fixed."""
+
+    def __init__(self, remaining_s: float):
+        self.remaining_s, self.aborted = remaining_s, []
+
+    async def send_initial_metadata(self, metadata) -> None:
+        pass
+
+    def time_remaining(self) -> float:
+        return self.remaining_s
+
+    def set_code(self, code) -> None:
+        pass
+
+    async def abort(self, code, details) -> None:
+        self.aborted.append(code)
+        raise RuntimeError("aborted")  # as grpc.aio's AbortError ends the handler
+
+
+@pytest.mark.parametrize("remaining_s", [0.0, 5.0])
+def test_a_deadline_the_rpc_shares_is_left_to_grpc_to_end(remaining_s):
+    """At the RPC's own deadline gRPC ends the call itself, and an abort racing it fails in gRPC's
+    core, which logs an ERROR with two tracebacks (ExecuteBatchError) for a routine deadline: the
+    relay only stops, as a cancelled handler (Generate then counts DEADLINE_EXCEEDED, as for one
+    gRPC cancelled). At a deadline of the gateway's own, before the RPC's, it aborts."""
+    from gateway.server import InferenceServicer
+
+    async def relay():
+        cancelled = []
+        servicer = InferenceServicer(None, SimpleNamespace(
+            dispatcher=SimpleNamespace(cancel=lambda internal_id, reason: cancelled.append(reason)), metrics=None))
+        state = SimpleNamespace(request_id="r", internal_id="g-1", deadline_s=time.monotonic(),
+                                events=asyncio.Queue(), first_token_s=None, status_code=None)
+        context = DeadlineContext(remaining_s)
+        with pytest.raises(RuntimeError if remaining_s else asyncio.CancelledError):
+            async for _ in servicer._relay(state, context):
+                pass
+        return state.status_code, context.aborted, cancelled
+
+    status, aborted, cancelled = asyncio.run(relay())
+    assert status == grpc.StatusCode.DEADLINE_EXCEEDED and cancelled == ["error"]
+    assert aborted == ([grpc.StatusCode.DEADLINE_EXCEEDED] if remaining_s else [])
 
 
 def test_client_cancel_is_cancelled(cluster):

@@ -21,12 +21,14 @@ from gateway_fake_cluster import FakeCluster
 pytestmark = pytest.mark.timeout(300)
 MODEL = "llama"
 MAX_BODY = 64 * 1024
+MAX_PROMPT_CHARS = 32 * 1024  # within MAX_BODY, so a body can pass it
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
 def cluster(served_checkpoint):
-    gateway = {"http_port": free_port(), "max_body_bytes": MAX_BODY, "max_n": 4, "max_stop_strings": 2}
+    gateway = {"http_port": free_port(), "max_body_bytes": MAX_BODY, "max_n": 4, "max_stop_strings": 2,
+               "max_prompt_chars": MAX_PROMPT_CHARS}
     with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": gateway}) as c:
         yield c
 
@@ -46,6 +48,8 @@ def chat(**fields) -> dict:
 
 
 TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 BAD_BODIES = [
     # (path, body, status, what the message names)
     ("/v1/completions", completion(prompt=5), 400, "prompt"),
@@ -164,25 +168,74 @@ def test_body_over_the_bound_is_413_by_length_and_when_chunked(http):
     assert http.post("/v1/completions", json=completion()).status_code == 200
 
 
-@pytest.mark.parametrize("first_n", [1, 2])  # n = 2 runs as "twice-0" and "twice-1": "twice" is taken too
-def test_a_duplicate_request_id_in_flight_is_409(http, cluster, first_n):
-    done = threading.Event()
-
-    def long_one():
-        http.post("/v1/completions", json=completion(max_tokens=200, n=first_n), headers={"x-request-id": "twice"})
-        done.set()
-
-    thread = threading.Thread(target=long_one)
+def running(http, cluster, request_id: str, n: int = 1) -> threading.Thread:
+    """The thread of a long completion under `request_id`, running on the worker once this returns."""
+    thread = threading.Thread(target=http.post, args=("/v1/completions",),
+                              kwargs=dict(json=completion(max_tokens=200, n=n), headers={"x-request-id": request_id}))
     thread.start()
     deadline = time.monotonic() + 10
     while cluster.status().workers[0].num_running == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    return thread
+
+
+@pytest.mark.parametrize("first_n", [1, 2])  # n = 2 runs as "twice-0" and "twice-1": "twice" is taken too
+def test_a_duplicate_request_id_in_flight_is_409(http, cluster, first_n):
+    thread = running(http, cluster, "twice", first_n)
     for n in (1, 2):
         r = http.post("/v1/completions", json=completion(n=n), headers={"x-request-id": "twice"})
         assert r.status_code == 409 and "already in flight" in r.json()["error"]["message"], (first_n, n, r.text)
         assert r.headers["x-should-retry"] == "false"  # the openai client would retry into the same refusal
     thread.join(30)
-    assert done.is_set()
+    assert not thread.is_alive()
+
+
+def test_an_id_taken_by_one_of_the_sequences_names_the_clients_own_id(http, cluster):
+    thread = running(http, cluster, "job-0")
+    # n = 2 runs as "job-0" and "job-1": the first is the running request's id.
+    r = http.post("/v1/completions", json=completion(n=2), headers={"x-request-id": "job"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 409 and message.startswith("request_id 'job' ") and "'job-0'" in message, r.text
+    assert "one of its sequences" in message and "already in flight" in message
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def nested(depth: int) -> str:
+    return '{"type": "array", "items": ' * depth + '{"type": "string"}' + "}" * depth
+
+
+@pytest.mark.parametrize("depth", [200, 900, 960, 1200, 2000])
+def test_json_nested_too_deeply_is_400_naming_its_field(http, cluster, depth):
+    # However deep, wherever it fails (llguidance, the conversion's walks, or the body's parse
+    # already), the field is named and nothing is a 500. llguidance checks the tools' call schema
+    # as one, and names only `tools`.
+    bodies = [("/v1/chat/completions", "response_format.json_schema.schema", '{"model": "llama", "messages": '
+               '[{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": '
+               '{"name": "x", "schema": ' + nested(depth) + "}}}"),
+              ("/v1/completions", "structured_outputs.json", '{"model": "llama", "prompt": "x", '
+               '"structured_outputs": {"json": ' + nested(depth) + "}}"),
+              ("/v1/chat/completions", "tools[1].function.parameters", '{"model": "llama", "messages": '
+               '[{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [' + json.dumps(WEATHER)
+               + ', {"type": "function", "function": {"name": "g", "parameters": {"type": "object", '
+               '"properties": {"a": ' + nested(depth) + "}}}}]}")]
+    for path, field, body in bodies:
+        r = http.post(path, content=body.encode(), headers={"content-type": "application/json",
+                                                            "x-request-id": f"deep-{depth}"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] in (field, field.split("[")[0]), (depth, r.text)
+        assert error["message"].startswith(f"{error['param']} nests too deeply"), (depth, r.text)
+    records = [r for r in cluster.request_records() if r["request_id"] == f"deep-{depth}"]
+    assert [r["status_code"] for r in records] == ["INVALID_ARGUMENT"] * len(bodies), records
+
+
+def test_a_body_nested_too_deeply_to_parse_is_400_saying_so(http):
+    r = http.post("/v1/completions", content=b'{"model": "llama", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "nests too deeply" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"[" * 5000 + b"]" * 5000, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body nests too deeply"), r.text
 
 
 def test_refusals_are_in_the_request_log(http, cluster):
@@ -303,6 +356,12 @@ def test_admission_refusals_name_their_field_as_param(http):
                            "messages")):
         r = http.post("/v1/chat/completions", json=chat(**fields))
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # Over max_prompt_chars by its tools: named as the body has them (the gRPC field is tools_json).
+    tools = [{**WEATHER, "function": {**WEATHER["function"], "description": "d" * MAX_PROMPT_CHARS}}]
+    r = http.post("/v1/chat/completions", json=chat(tools=tools, tool_choice="none"))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "tools", r.text
+    assert error["message"].startswith("tools and messages are") and "max_prompt_chars" in error["message"]
 
 
 def test_more_sequences_than_the_queue_holds_is_400_not_429(served_checkpoint):
