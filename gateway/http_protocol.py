@@ -2,7 +2,7 @@
 
 A request's head (request line and headers) may hold at most `gateway.max_header_bytes` (431
 beyond, as the bytes arrive: httptools would otherwise buffer a header of any size), and must
-arrive within `gateway.http_read_timeout_s` of the connection opening or the request's first byte
+arrive within `gateway.read_timeout_s` of the connection opening or the request's first byte
 (408); a body may pause at most as long between its chunks (the connection is closed, the handler
 sees the client gone). So an idle, trickling or endless client holds a socket and its buffers for
 a bounded time only, whether or not it has a key. Keep-alive connections between requests close
@@ -90,10 +90,10 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._refuse(408, f"the request's head did not arrive within {self.read_timeout_s:g} s "
-                          f"(gateway.http_read_timeout_s)")
+                          f"(gateway.read_timeout_s)")
 
     def _body_timed_out(self) -> None:
-        self.logger.info("closing %s: its request body paused for %g s (gateway.http_read_timeout_s)",
+        self.logger.info("closing %s: its request body paused for %g s (gateway.read_timeout_s)",
                          self.client, self.read_timeout_s)
         self.transport.close()
 

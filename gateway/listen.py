@@ -32,12 +32,17 @@ class ListenError(OSError):
     """A port the gateway must listen on could not be bound; the message names it and the fix."""
 
 
-def grpc_server_options(reuse_port: bool, max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+def grpc_server_options(reuse_port: bool, max_receive_bytes: int | None = None,
+                        handshake_timeout_s: float | None = None) -> list[tuple[str, int]]:
     # gRPC sets SO_REUSEPORT on Linux unless told not to, which would let a second gateway
     # silently take half the connections of a port it was never meant to share.
     options = [("grpc.so_reuseport", int(reuse_port))]
     if max_receive_bytes is not None:
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    if handshake_timeout_s is not None:
+        # A connection that never completes its handshake (TLS, HTTP/2's preface and settings) is
+        # closed then, as an HTTP request's head must arrive in time (gateway.read_timeout_s).
+        options.append(("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1e3))))
     return options
 
 

@@ -112,11 +112,15 @@ class Metrics:
         worker whose blocks the index forgot (dead, restarted) reads 0 at once."""
         self.registry.register(_IndexedBlocks(worker_ids, num_blocks))
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "0.0.0.0", read_timeout_s: float = 20.0) -> None:
+        """/metrics on host:port, a thread per connection (prometheus_client's server), each ended
+        once its client is idle for `read_timeout_s`, so idle connections cannot pile threads up."""
         try:
-            start_http_server(port, addr=host, registry=self.registry)
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as e:
             raise metrics_taken(host, port, e) from None
+        server.RequestHandlerClass = type("TimedMetricsHandler", (_TimedHandler, server.RequestHandlerClass),
+                                          {"timeout": read_timeout_s})
 
     # ---- workers ---------------------------------------------------------------------------------
     def on_heartbeat(self, worker_id: str, incarnation: str, hb: worker_pb2.Heartbeat) -> None:
@@ -171,3 +175,14 @@ class _IndexedBlocks:
         for worker_id in self._worker_ids():
             family.add_metric([worker_id], self._num_blocks(worker_id))
         yield family
+
+
+class _TimedHandler:
+    """Mixed into prometheus_client's request handler: a read past its `timeout` ends the connection
+    quietly (the stdlib server would print a traceback for it)."""
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            pass

@@ -235,7 +235,7 @@ class Gateway:
         self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
         self.admission = Admission(config, self.tokenizer, self.dispatcher, keys=self.keys)
         self.servicer = InferenceServicer(config, self.admission)
-        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g)))
+        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g), g.read_timeout_s))
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -248,7 +248,7 @@ class Gateway:
         if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
             self.http = HttpServer(api.app, g.host, g.http_port, tls=tls, reuse_port=g.reuse_port,
-                                   max_header_bytes=g.max_header_bytes, read_timeout_s=g.http_read_timeout_s)
+                                   max_header_bytes=g.max_header_bytes, read_timeout_s=g.read_timeout_s)
         self._stopped = asyncio.Event()
         self._health_names: set[str] = set()
 
@@ -278,7 +278,8 @@ class Gateway:
 
     async def serve(self) -> int:
         if self.config.gateway.metrics_port:
-            self.metrics.serve(self.config.gateway.metrics_port, self.config.gateway.metrics_host)
+            self.metrics.serve(self.config.gateway.metrics_port, self.config.gateway.metrics_host,
+                               self.config.gateway.read_timeout_s)
         await self.dispatcher.start()
         await self.server.start()
         if self.http is not None:

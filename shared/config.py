@@ -78,9 +78,10 @@ class GatewayConfig:
     # logit_bias entry): a body of more values is refused 413 before it is parsed.
     max_body_values: int = 1 << 20
     # An HTTP request's head (request line and headers) at most this long (431), and arriving
-    # within http_read_timeout_s, as must each chunk of its body (408 / the connection closed).
+    # within read_timeout_s, as must each chunk of its body (408 / the connection closed); a gRPC
+    # connection's handshake and a metrics scrape's request get as long.
     max_header_bytes: int = 64 << 10
-    http_read_timeout_s: float = 20.0
+    read_timeout_s: float = 20.0
     # Browser pages of these origins may call the HTTP API (CORS; "*" = any); () = none. A
     # preflight is answered before the key check, which still holds for the call itself.
     cors_allow_origins: tuple[str, ...] = ()
@@ -116,7 +117,7 @@ class GatewayConfig:
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
         for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
-        _check(self.http_read_timeout_s > 0, "gateway.http_read_timeout_s", self.http_read_timeout_s, "> 0")
+        _check(self.read_timeout_s > 0, "gateway.read_timeout_s", self.read_timeout_s, "> 0")
         _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
         _check(self.restart_backoff_s > 0, "gateway.restart_backoff_s", self.restart_backoff_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")

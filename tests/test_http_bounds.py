@@ -1,7 +1,8 @@
 """The HTTP port's bounds on reading a request, on the real gateway in front of model-free workers:
 a head too long (431) or too slow (408), a body that pauses too long (cut off), a body of too many
-JSON values (413, before it is parsed on the event loop), and a client within them served as ever.
-Also the value count itself against JSON documents of every shape."""
+JSON values (413, before it is parsed on the event loop), and a client within them served as ever;
+the same timeout on a gRPC connection's handshake and a metrics connection. Also the value count
+itself against JSON documents of every shape."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ READ_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def cluster(served_checkpoint):
-    bounds = {"max_body_values": MAX_VALUES, "max_header_bytes": MAX_HEADER, "http_read_timeout_s": READ_TIMEOUT_S}
+    bounds = {"max_body_values": MAX_VALUES, "max_header_bytes": MAX_HEADER, "read_timeout_s": READ_TIMEOUT_S}
     with FakeCluster(served_checkpoint, step_ms=5, sections={"gateway": {"http_port": free_port(), **bounds}}) as c:
         yield c
 
@@ -78,7 +79,7 @@ def test_a_head_too_long_is_431_and_a_head_too_slow_408(http, cluster):
     started = time.monotonic()
     conn = raw(cluster, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n")  # the head's end never comes
     reply = answer(conn)
-    assert reply.startswith(b"HTTP/1.1 408") and b"gateway.http_read_timeout_s" in reply, reply
+    assert reply.startswith(b"HTTP/1.1 408") and b"gateway.read_timeout_s" in reply, reply
     assert time.monotonic() - started < 10 * READ_TIMEOUT_S
     idle = raw(cluster, b"")  # opens and sends nothing
     assert answer(idle).startswith(b"HTTP/1.1 408")
@@ -134,3 +135,11 @@ def test_values_are_counted_outside_strings(doc, ascii_only, chunk_bytes):
     """Chunks of a few bytes: strings and escapes across a chunk's end, as megabyte chunks meet them."""
     text = json.dumps(doc, ensure_ascii=ascii_only).encode()
     assert values_outside_strings(text, chunk_bytes) == values_outside_strings(text) == 1 + commas(doc)
+
+
+def test_a_grpc_connection_that_never_handshakes_and_an_idle_metrics_connection_are_closed(cluster):
+    for port in (cluster.port, cluster.metrics_port):
+        started = time.monotonic()
+        conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+        answer(conn)  # until the server closes it: gRPC's default waits 120 s, a metrics thread for ever
+        assert time.monotonic() - started < 10 * READ_TIMEOUT_S, port
