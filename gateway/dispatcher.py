@@ -267,8 +267,7 @@ class Dispatcher:
                 taken_blocks[worker.worker_id] += worker.blocks_for(num_tokens)
                 return True
 
-            # Spread what is queued now across the workers that can take it, rather than filling
-            # one worker while another idles.
+            # Spread what is queued now over the workers that can take it, not one while another idles.
             fair_share = -(-len(self.queue) // max(1, len(takers)))
             batch = self.queue.pop_batch(now, min(max_batch, worker.free_slots(), fair_share), fits)
             if not batch:
@@ -332,6 +331,7 @@ class Dispatcher:
                 continue
             if state.worker_id is not None:
                 self.registry.release(state.worker_id, internal_id)
+                self._send_abort(state.worker_id, [internal_id])  # one only silent may still run it
             state.worker_id = None
             state.num_resumes += 1
             self.metrics.resumptions.inc()

@@ -66,9 +66,9 @@ class BodyLimit:
         """At least the JSON values of `body` beyond `max_values`, or a number within it: every comma
         is counted first (a bound: commas in strings too), and only a body over the bound by that
         count is counted again, outside its strings, on a thread."""
-        if body.count(b",") + 1 <= self.max_values:
+        if body.count(b",") + 1 <= self.max_values:  # in UTF-16 or -32 too: each comma has a 0x2c byte
             return 0
-        return await asyncio.get_running_loop().run_in_executor(None, values_outside_strings, body)
+        return await asyncio.get_running_loop().run_in_executor(None, _count_values_of, body)
 
     async def _discard_rest(self, receive, message) -> None:
         """Read (and drop) up to as much again of the body, so a client that sends all of it before
@@ -93,9 +93,18 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def _count_values_of(body: bytes) -> int:
+    """values_outside_strings of a body in whichever encoding JSON allows and the parser will detect
+    (UTF-8, -16 or -32), counted as UTF-8, where quotes, backslashes and commas are single bytes."""
+    encoding = json.detect_encoding(body)
+    if encoding != "utf-8":
+        body = body.decode(encoding, errors="replace").encode()
+    return values_outside_strings(body)
+
+
 def values_outside_strings(body: bytes, chunk_bytes: int = _COUNT_CHUNK_BYTES) -> int:
-    """1 + the commas of a JSON text outside its strings: the values of its arrays and objects, about.
-    A megabyte at a time, so a thread running it lets the event loop in between."""
+    """1 + the commas of a JSON text in UTF-8 outside its strings: the values of its arrays and
+    objects, about. A megabyte at a time, so a thread running it lets the event loop in between."""
     body = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # no quote left inside a string is escaped
     count, in_string = 1, False
     for start in range(0, len(body), chunk_bytes):

@@ -105,14 +105,8 @@ async def too_deep_body(http: Request) -> ApiError:
     return ApiError(400, too_deep(field or "the body"), field)
 
 
-# The codes of the HTTP layer's own refusals, as gateway/http_body_limit.py writes them itself
-# before the routes run (a body too large by its Content-Length); the same refusal found mid-read
-# comes here.
-_HTTP_CODES = {413: "body_too_large"}
-
-
 def http_error(e: StarletteHTTPException) -> ApiError:
-    return ApiError(e.status_code, str(e.detail), code=_HTTP_CODES.get(e.status_code), headers=dict(e.headers or {}))
+    return ApiError(e.status_code, str(e.detail), headers=dict(e.headers or {}))
 
 
 async def internal_error(_: Request, e: Exception) -> JSONResponse:

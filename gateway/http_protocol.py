@@ -4,9 +4,11 @@ A request's head (request line and headers) may hold at most `gateway.max_header
 beyond, as the bytes arrive: httptools would otherwise buffer a header of any size), and must
 arrive within `gateway.read_timeout_s` of the connection opening or the request's first byte
 (408); a body may pause at most as long between its chunks (the connection is closed, the handler
-sees the client gone). So an idle, trickling or endless client holds a socket and its buffers for
-a bounded time only, whether or not it has a key. Keep-alive connections between requests close
-after uvicorn's own keep-alive timeout.
+sees the client gone). So an idle or stalled client, and a head sent a byte at a time, hold a
+socket and its buffers for a bounded time, whether or not it has a key; a body that keeps moving
+is bounded by its size (`gateway.max_body_bytes`), not its duration. Keep-alive connections between
+requests close after uvicorn's own keep-alive timeout, or when bytes that begin no request (a bare
+CRLF) pass the head's timeout.
 """
 from __future__ import annotations
 
@@ -45,10 +47,16 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self._in_body:
             self._arm(self._body_timed_out)  # the body moved: its pause starts again
+        elif not self._in_head and self._read_timer is None:
+            # Bytes between requests (a bare CRLF, which starts no message, or a head's first bytes)
+            # stop uvicorn's keep-alive timer: the head's clock runs from them.
+            self._arm(self._head_timed_out)
+        head_was_open = self._in_head
         super().data_received(data)
-        if self._in_head and not self.transport.is_closing():
-            # A head still incomplete: httptools buffers it, so its bytes so far are bounded here
-            # (the whole chunk, any body bytes after the head included: a bound, not a measure).
+        if head_was_open and self._in_head and not self.transport.is_closing():
+            # A head still incomplete: httptools buffers it, so its bytes so far are bounded here:
+            # whole chunks, not the one in which it began (that may end an earlier request's body),
+            # so what is buffered stays within a read's size of the bound.
             self._head_bytes += len(data)
             if self._head_bytes > self.max_header_bytes:
                 self._refuse_head_size()
@@ -72,8 +80,21 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
         if self._head_size > self.max_header_bytes:  # a whole head too long, parsed from one chunk
             return self._refuse_head_size()
         self._in_head, self._in_body = False, True
-        self._arm(self._body_timed_out)
         super().on_headers_complete()
+        self._arm_body_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts a pipelined request's cycle and reads again
+        if self._in_body and not self._refused:
+            self._arm_body_timer()
+
+    def _arm_body_timer(self) -> None:
+        # A request pipelined behind a response still running is not read (uvicorn paused reading)
+        # until that response ends: its pauses are the server's, not the client's.
+        if self.flow.read_paused:
+            self._disarm()
+        else:
+            self._arm(self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -89,6 +110,9 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
         self._refuse(431, f"the request's head passed {self.max_header_bytes} bytes (gateway.max_header_bytes)")
 
     def _head_timed_out(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._arm(self._head_timed_out)  # an answer is still going out: the 408 would read as its
+            return
         self._refuse(408, f"the request's head did not arrive within {self.read_timeout_s:g} s "
                           f"(gateway.read_timeout_s)")
 
@@ -102,8 +126,8 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
         self._in_head, self._in_body, self._refused = False, False, True
         if self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete and self.cycle.response_started:
-            self.transport.close()  # a response is under way: too late for a status of our own
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()  # a response is under way: a status of our own would read as its
             return
         body = message.encode()
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"

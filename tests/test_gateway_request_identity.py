@@ -7,6 +7,7 @@ the tokens it gives alone and end by length. 500 times, from two clients at once
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -14,9 +15,11 @@ import grpc
 import pytest
 
 from cluster_harness import Cluster, generate
+from gateway.dispatcher import Dispatcher
 from gateway.request_table import DuplicateRequestError, RequestTable
 from gateway.streams import RequestState
-from protos import inference_pb2
+from protos import inference_pb2, worker_pb2
+from shared.config import load_config
 from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,6 +86,32 @@ def test_a_resumed_request_takes_a_fresh_internal_id_its_client_id_follows():
     assert table.get(first) is None and table.get(second) is None and table.get(third) is resumed
     assert table.by_client("r") is resumed and len(table) == 1
     assert table.pop(third) is resumed and not table.is_live("r")
+
+
+def test_resuming_a_request_aborts_its_old_attempt_on_the_worker_it_left():
+    """A worker declared dead for silence may run again: the attempt it still holds is aborted there,
+    so it stops holding a slot and KV the gateway no longer counts."""
+    sent: list[tuple[str, worker_pb2.Envelope]] = []
+
+    class Socket:
+        async def send(self, worker_id: str, envelope: worker_pb2.Envelope) -> bool:
+            sent.append((worker_id, envelope))
+            return True
+
+    async def scenario():
+        dispatcher = Dispatcher(load_config())
+        dispatcher.socket = Socket()
+        resumed = state(dispatcher.requests, "r")
+        dispatcher.requests.add(resumed)
+        first = resumed.internal_id
+        resumed.worker_id = "worker-0"
+        dispatcher.registry.assign("worker-0", first, 2)
+        dispatcher._resume({first}, 0.0)
+        await asyncio.sleep(0)
+        assert [(w, list(e.abort.request_ids)) for w, e in sent] == [("worker-0", [first])]
+        assert resumed.internal_id == f"{first}.1" and not dispatcher.registry.workers["worker-0"].assigned
+
+    asyncio.run(scenario())
 
 
 def reuse_once(cluster, client_id: str, abort: bool, expected: list[int], outcomes: dict) -> str | None:

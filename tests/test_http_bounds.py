@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from bench.cluster_process import free_port
-from gateway.http_body_limit import values_outside_strings
+from gateway.http_body_limit import _count_values_of, values_outside_strings
 from gateway_fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,6 +63,10 @@ def test_a_body_of_too_many_json_values_is_413_before_it_is_parsed(http, cluster
     assert "gateway.max_body_values" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json=completion(logit_bias={str(i): 1 for i in range(MAX_VALUES)}))
     assert r.status_code == 413 and "max_body_values" in r.json()["error"]["message"]
+    # In UTF-16 (which the JSON parser takes too) an escaped quote is not the bytes the count skips.
+    body = json.dumps(completion(prompt='"\u0122', stop_token_ids=[5] * MAX_VALUES), ensure_ascii=False)
+    r = http.post("/v1/completions", content=body.encode("utf-16"), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "max_body_values" in r.json()["error"]["message"]
     # Commas inside strings are not values: a long text of them is parsed and served.
     r = http.post("/v1/completions", json=completion(prompt='a, "b", \\' * 200 + "," * MAX_VALUES))
     assert r.status_code == 200, r.text
@@ -107,6 +111,39 @@ def answer_status(conn: socket.socket) -> int:
     return int(received.split(b" ", 2)[1])
 
 
+def test_a_pipelined_request_waits_for_the_answer_before_it_without_its_clock_running(cluster):
+    """uvicorn reads a pipelined request only once the answer before it is out: the wait is the
+    server's, and neither request may be cut off for it."""
+    long_body = json.dumps(completion(max_tokens=600, ignore_eos=True)).encode()
+    short_body = json.dumps(completion()).encode()
+
+    def post(body: bytes) -> bytes:
+        return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    started = time.monotonic()
+    conn = raw(cluster, post(long_body) + post(short_body)[:-4])
+    time.sleep(0.1)
+    conn.sendall(post(short_body)[-4:] + b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    received = answer(conn)
+    assert time.monotonic() - started > 2 * READ_TIMEOUT_S  # the first answer outlasted the timeout
+    assert received.count(b"HTTP/1.1 200") == 3, received[:300]
+
+
+def test_bytes_that_begin_no_request_do_not_hold_a_connection_open(cluster):
+    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as conn:
+        conn.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        with pytest.raises(OSError):  # the server closes it, and a later send or read fails
+            while time.monotonic() - started < 10 * READ_TIMEOUT_S:
+                conn.sendall(b"\r\n")  # llhttp skips a CRLF between requests
+                time.sleep(READ_TIMEOUT_S / 4)
+                if conn.recv(65536, socket.MSG_DONTWAIT) == b"":
+                    raise ConnectionResetError
+        assert time.monotonic() - started < 10 * READ_TIMEOUT_S
+
+
 def test_requests_after_another_on_a_kept_alive_connection_have_the_same_bounds(cluster):
     with httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}", timeout=30) as client:
         for _ in range(3):
@@ -130,11 +167,13 @@ def commas(doc) -> int:
 
 
 @settings(max_examples=300, deadline=None)
-@given(JSON, st.booleans(), st.integers(1, 16))
-def test_values_are_counted_outside_strings(doc, ascii_only, chunk_bytes):
-    """Chunks of a few bytes: strings and escapes across a chunk's end, as megabyte chunks meet them."""
-    text = json.dumps(doc, ensure_ascii=ascii_only).encode()
-    assert values_outside_strings(text, chunk_bytes) == values_outside_strings(text) == 1 + commas(doc)
+@given(JSON, st.booleans(), st.integers(1, 16), st.sampled_from(["utf-8", "utf-16", "utf-16-le", "utf-32-be"]))
+def test_values_are_counted_outside_strings(doc, ascii_only, chunk_bytes, encoding):
+    """Chunks of a few bytes: strings and escapes across a chunk's end, as megabyte chunks meet them;
+    and every encoding the JSON parser detects."""
+    text = json.dumps(doc, ensure_ascii=ascii_only)
+    assert values_outside_strings(text.encode(), chunk_bytes) == 1 + commas(doc)
+    assert _count_values_of(text.encode(encoding)) == 1 + commas(doc)
 
 
 def test_a_grpc_connection_that_never_handshakes_and_an_idle_metrics_connection_are_closed(cluster):

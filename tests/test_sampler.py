@@ -284,20 +284,24 @@ def test_rows_of_nan_logits_are_reported_by_every_path_and_finite_rows_never(dty
     """A NaN row's token means nothing: the output names the row (the runner fails its request), whichever
     path it took (argmax, edited, banned at token 0, sampled); a finite row that takes token 0 is not named."""
     vocab = 50
-    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[0, 0] = 30.0  # a finite row whose argmax is token 0
-    nan_rows = [1, 3, 4, 5, 6]
-    logits[nan_rows] = float("nan")
+    nan_rows = [1, 3, 4, 5, 6, 7]
+    logits[nan_rows[:-1]] = float("nan")
     logits[6, 7] = float("inf")
+    logits[7, 9] = float("inf")  # one overflowed logit: argmax takes it, not token 0
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=0),
               SamplingParams(temperature=0, repetition_penalty=1.3),
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[0]),  # 0 banned: the first NaN is 1
-              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, top_k=5)]
-    batch = make_batch(params, histories=[[1, 2]] * 7)
-    batch.output_token_ids, batch.eos_token_ids = [[]] * 7, [[]] * 7
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, top_k=5),
+              SamplingParams(temperature=0)]
+    batch = make_batch(params, histories=[[1, 2]] * 8)
+    batch.output_token_ids, batch.eos_token_ids = [[]] * 8, [[]] * 8
     out = Sampler(seed=0)(logits, batch)
     assert out.non_finite_rows == nan_rows
     assert out.token_ids[0] == 0 and out.token_ids[2] == logits[2].float().argmax().item()
     # Every row finite: no row named, and nothing looked at again.
     finite = Sampler(seed=0)(logits[[0, 2]], make_batch([SamplingParams(temperature=0)] * 2))
     assert finite.non_finite_rows is None and finite.token_ids[0] == 0
+    greedy = Sampler(seed=0)(logits[[0, 7]], make_batch([SamplingParams(temperature=0)] * 2))  # the fast path
+    assert greedy.non_finite_rows == [1] and greedy.token_ids == [0, 0]

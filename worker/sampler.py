@@ -91,6 +91,12 @@ class SamplerOutput:
     non_finite_rows: list[int] | None = None
 
 
+def non_finite_to_zero(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [R] with 0 where a row's chosen logit in logits [R, V] is not finite (NaN or inf), as a
+    row of NaN comes out of argmax: Sampler.__call__'s one check on rows that took 0 then finds them."""
+    return tokens.masked_fill_(~torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1)), 0)
+
+
 def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
     """The k most likely (token id, logprob) of one row logprobs [V], by descending logprob, ties by ascending
     token id (so the answer never depends on how topk orders equal values). k is clamped to V."""
@@ -230,9 +236,9 @@ class Sampler:
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax of each row of the raw logits [R, V] (any float dtype, never copied); token ids [R]."""
-        if self._argmax_rows is not None and logits.dtype == torch.float32:
-            return self._argmax_rows(logits)
-        return logits.argmax(dim=-1)
+        tokens = (self._argmax_rows(logits) if self._argmax_rows is not None and logits.dtype == torch.float32
+                  else logits.argmax(dim=-1))
+        return non_finite_to_zero(logits, tokens)  # argmax of [1, inf, nan] is not 0
 
     def _greedy_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """_greedy on the given rows (ascending) of logits [B, V] only; token ids [len(rows)]. Each run of
@@ -243,11 +249,9 @@ class Sampler:
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])
-        if len(runs) == 1:
-            return self._greedy(logits[runs[0][0]:runs[0][1]])
-        if self._argmax_rows is not None and logits.dtype == torch.float32:
-            return torch.cat([self._argmax_rows(logits[start:stop]) for start, stop in runs])
-        return logits.index_select(0, torch.tensor(rows, device=logits.device)).argmax(dim=-1)
+        if len(runs) == 1 or self._argmax_rows is not None and logits.dtype == torch.float32:
+            return torch.cat([self._greedy(logits[start:stop]) for start, stop in runs])
+        return self._greedy(logits.index_select(0, torch.tensor(rows, device=logits.device)))
 
     def _process(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], sampled_rows: list[int],
                  repeated_rows: list[int], counted_rows: list[int], biased_rows: list[int],
@@ -288,10 +292,8 @@ class Sampler:
                 xs = x.index_select(0, row_index)  # [S, V]
                 tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators,
                                                               sampled_seeds))
-        # A row left without a finite logit to take (NaN, which a ban or a grammar's mask may have moved
-        # off index 0) takes token 0, as an unedited row does: __call__'s one check then finds it.
-        chosen = x.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [P]
-        return tokens.masked_fill_(~torch.isfinite(chosen), 0)
+        # A ban or a grammar's mask may have moved a NaN row off index 0.
+        return non_finite_to_zero(x, tokens)
 
     @staticmethod
     def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:
