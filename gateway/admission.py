@@ -80,6 +80,16 @@ class Admission:
         """Take one of the gateway's stream slots (and one of the caller's) for a request's whole
         life, or refuse it; every acquire is paired with one `release_stream`. The caller's
         request rate is charged here, before any work."""
+        self.check_room(request_id, principal)
+        if principal.requests is not None:
+            principal.requests.take(1, time.monotonic())  # there is room: check_room just saw it
+        self.num_streams += 1
+        principal.num_streams += 1
+        self.streams_idle.clear()
+
+    def check_room(self, request_id: str, principal: Principal = ANONYMOUS) -> None:
+        """acquire_stream's refusals, taking nothing: the HTTP layer asks before it reads a body, so a
+        caller that would be refused costs no parsing."""
         if self.draining:
             self.refuse(request_id, grpc.StatusCode.UNAVAILABLE,
                         "the gateway is draining for shutdown; retry elsewhere", principal=principal)
@@ -90,13 +100,13 @@ class Admission:
         if spec.max_streams and principal.num_streams >= spec.max_streams:
             self.exhausted(request_id, f"API key {spec.name!r} already has its maximum of {spec.max_streams} streams "
                                        f"open", principal)
-        if principal.requests is not None and (wait_s := principal.requests.take(1, time.monotonic())):
-            self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"API key {spec.name!r} is over its rate limit of {spec.requests_per_minute:g} requests per "
-                        f"minute; retry after {retry_after_ms(wait_s)} ms", retry_after_ms(wait_s), principal)
-        self.num_streams += 1
-        principal.num_streams += 1
-        self.streams_idle.clear()
+        if principal.requests is not None and (wait_s := principal.requests.wait_s(1, time.monotonic())):
+            self._over_rate(request_id, principal, wait_s)
+
+    def _over_rate(self, request_id: str, principal: Principal, wait_s: float) -> None:
+        self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"API key {principal.spec.name!r} is over its rate limit of {principal.spec.requests_per_minute:g} "
+                    f"requests per minute; retry after {retry_after_ms(wait_s)} ms", retry_after_ms(wait_s), principal)
 
     def release_stream(self, principal: Principal = ANONYMOUS) -> None:
         self.num_streams -= 1

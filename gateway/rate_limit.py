@@ -32,6 +32,11 @@ class TokenBucket:
             return math.inf
         return (amount - level) / self.rate_per_s
 
+    def wait_s(self, amount: float, now_s: float) -> float:
+        """What take(amount) would return, taking nothing."""
+        level = self.level(now_s)
+        return 0.0 if amount <= level else math.inf if amount > self.capacity else (amount - level) / self.rate_per_s
+
     def give_back(self, amount: float) -> None:
         """Undo a take, or the part of it that did not lead to work."""
         self._level = min(self.capacity, self._level + amount)

@@ -32,6 +32,7 @@ KEYS = {
     "prompts": ("prompts-key-2b1a0f9e8d7c", "tpm=100"),
     "floor": ("floor-key-3c2b1a0f9e8d7c", "priority_floor=0"),
     "single": ("single-key-7b6a5f4e3d2c1b", "streams=1"),
+    "once": ("once-key-8c7b6a5f4e3d2c1b", "rpm=1"),
 }
 
 
@@ -335,6 +336,24 @@ def test_a_caller_without_a_key_hears_401_before_its_body_is_weighed(cluster):
         connection.endheaders()
         response = connection.getresponse()
         assert response.status == 401 and "API key" in json.loads(response.read())["error"]["message"]
+    finally:
+        connection.close()
+
+
+def test_a_key_over_its_request_rate_hears_429_before_its_body_is_read(cluster):
+    """A key with no request left this minute is refused before the gateway reads (and parses, on its
+    event loop) a body: sending bodies faster than its limit costs the gateway nothing."""
+    generate(cluster, "once")
+    connection = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=10)
+    try:
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("authorization", f"Bearer {KEYS['once'][0]}")
+        connection.putheader("content-type", "application/json")
+        connection.putheader("content-length", str(1 << 20))  # within gateway.max_body_bytes; never sent
+        connection.endheaders()
+        response = connection.getresponse()
+        assert response.status == 429 and "1 requests per minute" in json.loads(response.read())["error"]["message"]
+        assert 1 <= int(response.getheader("retry-after")) <= 60
     finally:
         connection.close()
 
