@@ -101,12 +101,9 @@ class Admission:
             self.exhausted(request_id, f"API key {spec.name!r} already has its maximum of {spec.max_streams} streams "
                                        f"open", principal)
         if principal.requests is not None and (wait_s := principal.requests.wait_s(1, time.monotonic())):
-            self._over_rate(request_id, principal, wait_s)
-
-    def _over_rate(self, request_id: str, principal: Principal, wait_s: float) -> None:
-        self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"API key {principal.spec.name!r} is over its rate limit of {principal.spec.requests_per_minute:g} "
-                    f"requests per minute; retry after {retry_after_ms(wait_s)} ms", retry_after_ms(wait_s), principal)
+            self.refuse(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"API key {spec.name!r} is over its rate limit of {spec.requests_per_minute:g} requests per "
+                        f"minute; retry after {retry_after_ms(wait_s)} ms", retry_after_ms(wait_s), principal)
 
     def release_stream(self, principal: Principal = ANONYMOUS) -> None:
         self.num_streams -= 1

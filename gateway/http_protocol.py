@@ -31,7 +31,7 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
-        self._head_bytes = 0  # of the head being read: bytes received, then (once parsed) its size
+        self._head_bytes = 0  # of a head still incomplete: the bytes received (_head_size: as parsed)
         self._in_head = True  # waiting for a request's head: the first one, now
         self._in_body = False
         self._refused = False  # answered 431 or 408 and closing: nothing more is read

@@ -24,18 +24,17 @@ class TokenBucket:
     def take(self, amount: float, now_s: float) -> float:
         """Take `amount` and return 0.0, or take nothing and return the seconds until it could be
         taken (math.inf when it is more than the bucket ever holds)."""
-        level = self.level(now_s)
-        if amount <= level:
-            self._level = level - amount
-            return 0.0
-        if amount > self.capacity:
-            return math.inf
-        return (amount - level) / self.rate_per_s
+        wait_s = self.wait_s(amount, now_s)
+        if not wait_s:
+            self._level -= amount
+        return wait_s
 
     def wait_s(self, amount: float, now_s: float) -> float:
         """What take(amount) would return, taking nothing."""
         level = self.level(now_s)
-        return 0.0 if amount <= level else math.inf if amount > self.capacity else (amount - level) / self.rate_per_s
+        if amount <= level:
+            return 0.0
+        return math.inf if amount > self.capacity else (amount - level) / self.rate_per_s
 
     def give_back(self, amount: float) -> None:
         """Undo a take, or the part of it that did not lead to work."""

@@ -92,8 +92,7 @@ class SamplerOutput:
 
 
 def non_finite_to_zero(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [R] with 0 where a row's chosen logit in logits [R, V] is not finite (NaN or inf), as a
-    row of NaN comes out of argmax: Sampler.__call__'s one check on rows that took 0 then finds them."""
+    """tokens [R] with 0 where a row's chosen logit in logits [R, V] is not finite (NaN or inf)."""
     return tokens.masked_fill_(~torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1)), 0)
 
 
@@ -220,10 +219,9 @@ class Sampler:
                 for j, i in enumerate(logprob_rows):
                     if params[i].top_logprobs:
                         tops[i] = top_logprobs(raw_logprobs[j], params[i].top_logprobs)
-        token_ids = tokens.tolist()
-        # A row of NaN logits comes out of every path as token 0 (argmax takes the first NaN, our kernel
-        # finds no maximum, a NaN softmax draws index 0, and _process sends its rows there), so only a step
-        # where some row took 0 looks at logits again: the check costs the other steps nothing.
+        # Whichever path drew it, a token whose raw logit is not finite (a NaN row; one inf that argmax
+        # takes) becomes 0, so only a step where some row took 0 looks at its whole logits again.
+        token_ids = non_finite_to_zero(logits, tokens).tolist()
         non_finite = self._non_finite_rows(logits, token_ids) if 0 in token_ids else None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops, non_finite_rows=non_finite)
 
@@ -236,9 +234,9 @@ class Sampler:
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax of each row of the raw logits [R, V] (any float dtype, never copied); token ids [R]."""
-        tokens = (self._argmax_rows(logits) if self._argmax_rows is not None and logits.dtype == torch.float32
-                  else logits.argmax(dim=-1))
-        return non_finite_to_zero(logits, tokens)  # argmax of [1, inf, nan] is not 0
+        if self._argmax_rows is not None and logits.dtype == torch.float32:
+            return self._argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def _greedy_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """_greedy on the given rows (ascending) of logits [B, V] only; token ids [len(rows)]. Each run of
@@ -249,9 +247,11 @@ class Sampler:
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])
-        if len(runs) == 1 or self._argmax_rows is not None and logits.dtype == torch.float32:
-            return torch.cat([self._greedy(logits[start:stop]) for start, stop in runs])
-        return self._greedy(logits.index_select(0, torch.tensor(rows, device=logits.device)))
+        if len(runs) == 1:
+            return self._greedy(logits[runs[0][0]:runs[0][1]])
+        if self._argmax_rows is not None and logits.dtype == torch.float32:
+            return torch.cat([self._argmax_rows(logits[start:stop]) for start, stop in runs])
+        return logits.index_select(0, torch.tensor(rows, device=logits.device)).argmax(dim=-1)
 
     def _process(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], sampled_rows: list[int],
                  repeated_rows: list[int], counted_rows: list[int], biased_rows: list[int],
@@ -284,16 +284,13 @@ class Sampler:
         sampled_generators = [batch.generators[i] for i in sampled_rows]
         sampled_seeds = [batch.seeds[i] for i in sampled_rows] if batch.seeds is not None else None
         if len(sampled_rows) == num_rows:
-            tokens = self._sample(x, sampled_params, sampled_generators, sampled_seeds)  # [P]
-        else:
-            tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
-            if sampled_rows:
-                row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
-                xs = x.index_select(0, row_index)  # [S, V]
-                tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators,
-                                                              sampled_seeds))
-        # A ban or a grammar's mask may have moved a NaN row off index 0.
-        return non_finite_to_zero(x, tokens)
+            return self._sample(x, sampled_params, sampled_generators, sampled_seeds)  # [P]
+        tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
+        if sampled_rows:
+            row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
+            xs = x.index_select(0, row_index)  # [S, V]
+            tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators, sampled_seeds))
+        return tokens
 
     @staticmethod
     def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:
