@@ -15,6 +15,7 @@ import logging
 import sys
 
 from gateway.listen import ListenError, check_can_listen
+from gateway.open_files import fit_open_files
 from shared.config import ClusterConfig, ConfigError, add_config_flags, config_from_args
 from shared.cpu_affinity import GATEWAY, pin_process
 from shared.ipc import EndpointInUseError, check_no_listener, remove_stale_ipc_socket
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cores := pin_process(GATEWAY, config):
         log.info("pinned to cores %s (worker.reserved_cores)", cores)
+    fit_open_files(config.gateway.max_connections, 2 if config.gateway.http_port else 1)
     from gateway.server import Gateway
     from gateway.tokenizer import TokenizerError
 

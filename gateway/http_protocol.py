@@ -8,34 +8,68 @@ sees the client gone). So an idle or stalled client, and a head sent a byte at a
 socket and its buffers for a bounded time, whether or not it has a key; a body that keeps moving
 is bounded by its size (`gateway.max_body_bytes`), not its duration. Keep-alive connections between
 requests close after uvicorn's own keep-alive timeout, or when bytes that begin no request (a bare
-CRLF) pass the head's timeout.
+CRLF) pass the head's timeout. A connection beyond `gateway.max_connections` open at once is
+answered 503 and closed as it opens, before anything of it is read.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from typing import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+log = logging.getLogger(__name__)
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+REFUSAL_LOG_INTERVAL_S = 10.0  # a flood of refused connections logs one line per interval
 
 
-def guarded_http_protocol(max_header_bytes: int, read_timeout_s: float) -> type[HttpToolsProtocol]:
-    """The protocol class for uvicorn.Config(http=...), with these bounds."""
+def guarded_http_protocol(max_header_bytes: int, read_timeout_s: float, max_connections: int = 4096,
+                          on_connection_refused: Callable[[], None] = lambda: None) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), with these bounds; `on_connection_refused`
+    is called for each connection refused for the cap."""
     return type("GuardedHttpProtocol", (_GuardedHttpProtocol,),
-                {"max_header_bytes": max_header_bytes, "read_timeout_s": read_timeout_s})
+                {"max_header_bytes": max_header_bytes, "read_timeout_s": read_timeout_s,
+                 "max_connections": max_connections, "on_connection_refused": staticmethod(on_connection_refused),
+                 "_refusals": _RefusalLog()})
+
+
+class _RefusalLog:
+    """Connections refused for the cap, logged at most once per interval with their count."""
+
+    def __init__(self) -> None:
+        self.unlogged = 0
+        self.logged_at = float("-inf")
+
+    def note(self, max_connections: int) -> None:
+        self.unlogged += 1
+        now = time.monotonic()
+        if now - self.logged_at >= REFUSAL_LOG_INTERVAL_S:
+            log.warning("refused %d HTTP connection(s): %d are open (gateway.max_connections)", self.unlogged,
+                        max_connections)
+            self.unlogged, self.logged_at = 0, now
 
 
 class _GuardedHttpProtocol(HttpToolsProtocol):
     max_header_bytes = 64 << 10
     read_timeout_s = 20.0
+    max_connections = 4096
+    on_connection_refused: Callable[[], None]
+    _refusals: _RefusalLog
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(transport)  # now one of self.connections
         self._head_bytes = 0  # of a head still incomplete: the bytes received (_head_size: as parsed)
         self._in_head = True  # waiting for a request's head: the first one, now
         self._in_body = False
         self._refused = False  # answered 431 or 408 and closing: nothing more is read
         self._read_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.max_connections:
+            self.on_connection_refused()
+            self._refusals.note(self.max_connections)
+            return self._refuse(503, f"the gateway holds {self.max_connections} HTTP connections, its most "
+                                     f"(gateway.max_connections); retry later")
         self._arm(self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -130,8 +164,9 @@ class _GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()  # a response is under way: a status of our own would read as its
             return
         body = message.encode()
+        retry = b"retry-after: 1\r\n" if status == 503 else b""
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), body))
+                             b"%sconnection: close\r\n\r\n%s" % (status, _REASONS[status], len(body), retry, body))
         self.transport.close()
 
     def _arm(self, on_timeout) -> None:

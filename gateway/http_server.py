@@ -31,15 +31,19 @@ class _InLoopServer(uvicorn.Server):
 
 class HttpServer:
     def __init__(self, app, host: str, port: int, tls=None, reuse_port: bool = False,
-                 max_header_bytes: int = 64 << 10, read_timeout_s: float = 20.0):
+                 max_header_bytes: int = 64 << 10, read_timeout_s: float = 20.0, max_connections: int = 4096,
+                 on_connection_refused=lambda: None):
         """`tls`: a gateway.tls.TlsFiles to serve HTTPS (with client certificates when it names a CA);
         `reuse_port`: share host:port with other gateways (SO_REUSEPORT). A taken port is a ListenError.
-        `max_header_bytes`, `read_timeout_s`: bounds on reading a request (gateway/http_protocol.py)."""
+        `max_header_bytes`, `read_timeout_s`, `max_connections`: bounds on reading requests and on the
+        connections open at once (gateway/http_protocol.py), which calls `on_connection_refused` for each
+        connection the cap refuses."""
         self.sock = listen_socket(host, port, reuse_port)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                timeout_keep_alive=30, http=guarded_http_protocol(max_header_bytes, read_timeout_s),
+                                timeout_keep_alive=30, http=guarded_http_protocol(max_header_bytes, read_timeout_s, max_connections,
+                                                                on_connection_refused),
                                 **(tls.uvicorn_args() if tls else {}))
         self.server = _InLoopServer(config)
         self._task: asyncio.Task | None = None

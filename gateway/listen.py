@@ -33,7 +33,8 @@ class ListenError(OSError):
 
 
 def grpc_server_options(reuse_port: bool, max_receive_bytes: int | None = None,
-                        handshake_timeout_s: float | None = None) -> list[tuple[str, int]]:
+                        handshake_timeout_s: float | None = None,
+                        max_connections: int | None = None) -> list[tuple[str, int]]:
     # gRPC sets SO_REUSEPORT on Linux unless told not to, which would let a second gateway
     # silently take half the connections of a port it was never meant to share.
     options = [("grpc.so_reuseport", int(reuse_port))]
@@ -43,6 +44,8 @@ def grpc_server_options(reuse_port: bool, max_receive_bytes: int | None = None,
         # A connection that never completes its handshake (TLS, HTTP/2's preface and settings) is
         # closed then, as an HTTP request's head must arrive in time (gateway.read_timeout_s).
         options.append(("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout_s * 1e3))))
+    if max_connections is not None:  # one more is closed as it is accepted (gateway.max_connections)
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
     return options
 
 

@@ -93,6 +93,9 @@ class Metrics:
                                   ["reason"], registry=r)
         self.resumptions = Counter("inference_request_resumptions", "Requests resumed on another worker.",
                                    registry=r)
+        self.http_connections_refused = Counter("inference_http_connections_refused", "HTTP connections "
+                                                "answered 503 and closed as they opened: gateway.max_connections "
+                                                "were open.", registry=r)
 
         def histogram(name: str, doc: str, labels=b) -> Histogram:
             return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS_S, registry=r)

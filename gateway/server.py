@@ -235,7 +235,8 @@ class Gateway:
         self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
         self.admission = Admission(config, self.tokenizer, self.dispatcher, keys=self.keys)
         self.servicer = InferenceServicer(config, self.admission)
-        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g), g.read_timeout_s))
+        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g), g.read_timeout_s,
+                                                                     g.max_connections))
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -248,7 +249,9 @@ class Gateway:
         if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
             self.http = HttpServer(api.app, g.host, g.http_port, tls=tls, reuse_port=g.reuse_port,
-                                   max_header_bytes=g.max_header_bytes, read_timeout_s=g.read_timeout_s)
+                                   max_header_bytes=g.max_header_bytes, read_timeout_s=g.read_timeout_s,
+                                   max_connections=g.max_connections,
+                                   on_connection_refused=self.metrics.http_connections_refused.inc)
         self._stopped = asyncio.Event()
         self._health_names: set[str] = set()
 

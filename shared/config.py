@@ -82,6 +82,10 @@ class GatewayConfig:
     # connection's handshake and a metrics scrape's request get as long.
     max_header_bytes: int = 64 << 10
     read_timeout_s: float = 20.0
+    # Connections open at once on each public port (gRPC, HTTP): one more is closed at once (HTTP:
+    # answered 503 first), so a flood of connections cannot take the file descriptors every stream
+    # and worker socket needs. The gateway raises its open-files limit to fit, up to the hard limit.
+    max_connections: int = 4096
     # Browser pages of these origins may call the HTTP API (CORS; "*" = any); () = none. A
     # preflight is answered before the key check, which still holds for the call itself.
     cors_allow_origins: tuple[str, ...] = ()
@@ -110,10 +114,9 @@ class GatewayConfig:
     def validate(self) -> None:
         _check(0 <= self.port < 65536, "gateway.port", self.port, "in [0, 65535]")
         _check(0 <= self.http_port < 65536, "gateway.http_port", self.http_port, "in [0, 65535]")
-        for name in ("max_body_bytes", "max_n", "max_prompts", "max_body_values", "max_header_bytes"):
-            _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
-        for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars", "tokenizer_threads",
-                     "max_schema_bytes"):
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_body_values", "max_header_bytes",
+                     "max_connections", "max_prompt_chars", "max_chat_messages", "max_stop_chars",
+                     "tokenizer_threads", "max_schema_bytes"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
         for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
