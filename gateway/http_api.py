@@ -35,7 +35,7 @@ from gateway.http_auth import GENERATE_PATHS, ApiKeyCheck, principal_of
 from gateway.http_body_limit import BodyLimit
 from gateway.http_errors import ApiError, http_error, internal_error, too_deep_body, validation_error
 from gateway.openai_requests import (ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request,
-                                     completion_requests, named_as_in_body)
+                                     completion_requests, named_as_in_body, refused_tool)
 from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
@@ -224,6 +224,9 @@ class OpenAiApi:
         except Refusal as e:
             self.admission.release_unqueued(prepared)
             message = named_as_in_body(e.message, presentation.constraint_field)
+            if presentation.tool_parameters and message.startswith("tools ") and "tools[" not in message:
+                message = await self.admission.offload.run(refused_tool, message, presentation.tool_parameters,
+                                                           self.admission.constraints, large=False)
             error = ApiError.from_code(e.code, message, e.retry_after_ms, logged=True)
             if chat and error.param == "prompt":  # a chat's prompt is its rendered messages
                 error.param = "messages"

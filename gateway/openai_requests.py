@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway.constraints import ConstraintCompiler, ConstraintError
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Constrained, _Sampling
 from gateway.validation import MAX_SESSION_ID_LEN
 from protos import inference_pb2
@@ -57,6 +58,9 @@ class Presentation:
     # The body field a constraint came from, which a refusal of it names (admission's messages
     # name the gRPC field, `structured_output.<kind>`).
     constraint_field: str = ""
+    # Of tool calls' constraint: each constrained tool's index and parameters schema, checked one
+    # by one to name the tool a refusal of the whole comes from (`refused_tool`).
+    tool_parameters: tuple[tuple[int, str], ...] = ()
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
@@ -120,7 +124,10 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
             if message.tool_calls else "")
     presentation = _presentation(body, False, logprobs, limits, "tools" if tool_calls is not None else constraint_field)
     if tool_calls is not None:
-        presentation = dataclasses.replace(presentation, tool_calls=True)
+        named = None if body.tool_choice == "required" else body.tool_choice.function.name
+        parameters = tuple((i, json.dumps(t.function.parameters or {"type": "object"}))
+                           for i, t in enumerate(body.tools) if named in (None, t.function.name))
+        presentation = dataclasses.replace(presentation, tool_calls=True, tool_parameters=parameters)
     return request, presentation
 
 
@@ -211,6 +218,18 @@ def named_as_in_body(message: str, constraint_field: str) -> str:
     if constraint_field == "tools":
         message = _PLACED_TOOL.sub(lambda m: f"tools[{m[1]}].function.parameters" + (f"#{m[2]}" if m[2] else ""),
                                    message)
+    return message
+
+
+def refused_tool(message: str, tool_parameters: tuple[tuple[int, str], ...], compiler: ConstraintCompiler) -> str:
+    """A refusal of the tool calls' constraint named after the first tool whose parameters are
+    refused on their own (llguidance's message may name no place in the schema); `message` where
+    none is. Compiles each schema: run it off the event loop."""
+    for index, schema in tool_parameters:
+        try:
+            compiler.grammar(inference_pb2.StructuredOutput(json_schema=schema))
+        except ConstraintError as e:
+            return named_as_in_body(str(e), f"tools[{index}].function.parameters")
     return message
 
 

@@ -112,6 +112,16 @@ BAD_BODIES = [
             "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}],
         tool_choice={"type": "function", "function": {"name": "bad"}}), 400,
      "tools[1].function.parameters#/$defs/Missing"),
+    # A tool whose schema llguidance refuses without naming a place in it is named by its index.
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "ok"}}, {
+        "type": "function", "function": {"name": "bad", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}}}],
+        tool_choice="required"), 400, "tools[1].function.parameters cannot be enforced: Unknown format"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}}}, {
+        "type": "function", "function": {"name": "bad2", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}],
+        tool_choice={"type": "function", "function": {"name": "bad2"}}), 400, "tools[1].function.parameters cannot"),
     # A constraint admission refuses is named by the body field it came from, not the gRPC one.
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}), 400, "response_format.json_schema.schema cannot"),
