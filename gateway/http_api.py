@@ -34,6 +34,7 @@ from gateway.auth import ANONYMOUS, Principal
 from gateway.http_auth import GENERATE_PATHS, ApiKeyCheck, principal_of
 from gateway.http_body_limit import BodyLimit
 from gateway.http_errors import ApiError, http_error, internal_error, too_deep_body, validation_error
+from gateway.http_tokenize import TokenizeRoutes
 from gateway.openai_requests import (ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request,
                                      completion_requests, named_as_in_body, refused_tool)
 from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
@@ -80,6 +81,7 @@ class OpenAiApi:
         app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
         app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)(self.completions)
         app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)(self.chat)
+        TokenizeRoutes(self.admission, self._check_model, _ERRORS).register(app)
         app.get("/health", responses={503: {"description": "draining, or no worker ready"}})(self.health)
         app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
         app.openapi = lambda: _without_422(app)

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.json_nesting import deep_path, too_deep
 from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS
 from gateway.openai_responses import error_body
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Request
 
 
 class ApiError(Exception):
@@ -62,9 +62,21 @@ _UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _client_path(loc) -> str:
-    """A pydantic error location as the client wrote it: no `body` root, no union branch names."""
+    """A pydantic error location as the client wrote it: no `body` root, no union branch names
+    (a branch that is a body model shows as its class's name)."""
     parts = [str(p) for p in loc if p != "body"]
-    return ".".join(p for p in parts if p not in _UNION_BRANCHES and "[" not in p and not p.startswith("function-"))
+    models = _body_models()
+    return ".".join(p for p in parts if p not in _UNION_BRANCHES and p not in models and "[" not in p
+                    and not p.startswith("function-"))
+
+
+def _body_models() -> set[str]:
+    names, todo = set(), [_Request]
+    while todo:
+        model = todo.pop()
+        names.add(model.__name__)
+        todo.extend(model.__subclasses__())
+    return names
 
 
 def validation_error(e: RequestValidationError) -> ApiError:

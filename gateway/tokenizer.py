@@ -129,6 +129,11 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_piece(self, token_id: int) -> str | None:
+        """The token's entry in the vocabulary as written there (None for an id past the
+        tokenizer's own vocabulary, in a model's padded embedding rows)."""
+        return self._tok.id_to_token(token_id)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for, even where it is a part of a multi-byte character
         (its decode alone would be U+FFFD): byte-level BPE vocabularies spell bytes with GPT-2's

@@ -149,7 +149,7 @@ def _prompt_ids(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, ma
         if bad:
             raise _invalid(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})")
         return ids, num_truncated
-    ids = _encoded_prompt(request, tokenizer)
+    ids = encoded_prompt(request, tokenizer)
     num_truncated = _num_cut(len(ids), keep)
     return ids[num_truncated:], num_truncated
 
@@ -164,7 +164,7 @@ def _context_error(num_tokens: int, max_model_len: int) -> InvalidRequest:
                     f"tokens and at least one must be left to generate; shorten it or set truncate_prompt_tokens")
 
 
-def _encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     given = [name for name, present in (("prompt", request.prompt != ""),
                                          ("prompt_token_ids", len(request.prompt_token_ids) > 0),
                                          ("messages", len(request.messages) > 0)) if present]

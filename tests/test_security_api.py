@@ -268,6 +268,13 @@ def test_the_openai_client_needs_a_valid_key(cluster):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(no_header, timeout=5)
     assert e.value.code == 401 and "a valid API key is required" in json.loads(e.value.read())["error"]["message"]
+    tokenize = urllib.request.Request(f"http://127.0.0.1:{cluster.http_port}/tokenize", data=json.dumps(
+        {"prompt": "hi"}).encode(), headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(tokenize, timeout=5)
+    assert e.value.code == 401
+    tokenize.add_header("authorization", f"Bearer {KEYS['user'][0]}")
+    assert json.loads(urllib.request.urlopen(tokenize, timeout=5).read())["count"] >= 1
     with openai.OpenAI(base_url=base_url, api_key=KEYS["user"][0], max_retries=0, timeout=30) as client:
         assert client.completions.create(model="llama", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
     with openai.OpenAI(base_url=base_url, api_key=KEYS["limited"][0], max_retries=0, timeout=30) as client:
