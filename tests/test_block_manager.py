@@ -129,12 +129,32 @@ def test_statistics_counters():
     run_request(bm, "a", tokens)  # queries 2 whole blocks, hits none
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (8, 0)
     bm.allocate_prefix("b", tokens, 10)
+    assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (8, 0)  # counted once it has its slots
+    assert bm.allocate_slots("b", 10)
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (16, 8)
     bm.allocate_prefix("c", tokens[:4] + [0, 0, 0, 0], 6)  # one whole block considered, hit
+    assert bm.allocate_slots("c", 4)  # within the block it hit: nothing taken, still counted
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (20, 12)
     bm.free("a"), bm.free("b"), bm.free("c")
     assert bm.evict() == 2
     assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (20, 12)
+
+
+def test_a_request_looked_up_while_it_waits_for_room_counts_its_lookup_once():
+    bm = make()
+    tokens = list(range(10))
+    run_request(bm, "a", tokens)
+    assert bm.allocate_slots("big", 5 * 4)  # the rest of the pool
+    for _ in range(3):  # each step the scheduler looks "b" up, finds no room and gives its hits back
+        assert bm.allocate_prefix("b", tokens + [7] * 8, 17) == 8
+        assert not bm.allocate_slots("b", 18)
+        bm.free("b")
+    assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (8, 0)  # "a"'s alone
+    bm.free("big")
+    assert bm.allocate_prefix("b", tokens + [7] * 8, 17) == 8
+    assert bm.allocate_slots("b", 18)
+    assert (bm.num_prefix_query_tokens, bm.num_prefix_hit_tokens) == (8 + 16, 8)
+    bm.check_integrity()
 
 
 def test_freed_cached_blocks_are_evictable_then_hit_again():

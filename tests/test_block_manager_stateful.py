@@ -50,6 +50,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.content = [[None] * block_size for _ in range(num_blocks)]
         self.next_id = 0
         self.query_tokens = self.hit_tokens = 0
+        self.lookups: dict[str, tuple[int, int]] = {}  # counted once the request gets its slots
 
     def pick(self, index):
         ids = sorted(self.tokens)
@@ -61,8 +62,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm.enable_prefix_caching:
             num_query = min(len(token_ids), max(max_cached, 0)) // self.bs * self.bs
             assert hit % self.bs == 0 and hit <= num_query
-            self.query_tokens += num_query
-            self.hit_tokens += hit
+            self.lookups[request_id] = (num_query, hit)
         else:
             assert hit == 0
         assert len(table) * self.bs == hit
@@ -114,6 +114,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return False
         assert num_free - self.bm.num_free_blocks == needed
         self.slots[request_id] = num_tokens
+        num_query, hit = self.lookups.pop(request_id, (0, 0))
+        self.query_tokens += num_query
+        self.hit_tokens += hit
         return True
 
     @precondition(lambda self: self.bm is not None and self.tokens)
@@ -144,6 +147,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == num_free and not self.bm.has_request(request_id)
         for shadow in (self.tokens, self.slots, self.computed):
             del shadow[request_id]
+        self.lookups.pop(request_id, None)
 
     @precondition(lambda self: self.bm is not None and self.tokens)
     @rule(index=st.integers(0, 100), max_cached=st.integers(0, 12))
@@ -151,6 +155,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request_id = self.pick(index)
         tokens = self.tokens[request_id]
         self.bm.free(request_id)
+        self.lookups.pop(request_id, None)
         self.admit(request_id, tokens, max_cached)
 
     @precondition(lambda self: self.bm is not None)

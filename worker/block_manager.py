@@ -26,6 +26,9 @@ class _Request:
     # Progress of cache_blocks, so each call only hashes blocks it has not seen.
     num_hashed_blocks: int = 0
     last_hash: bytes = ROOT_HASH
+    # A prefix lookup's (queried, hit) tokens, counted once the request gets its slots: a request
+    # that waits for room is looked up again each step, and counts once.
+    lookup: tuple[int, int] | None = None
 
 
 class BlockManager:
@@ -97,7 +100,6 @@ class BlockManager:
             return 0
 
         num_query_blocks = min(len(token_ids), max(max_cached_tokens, 0)) // self.block_size
-        self.num_prefix_query_tokens += num_query_blocks * self.block_size
         for i in range(num_query_blocks):
             start = i * self.block_size
             block_hash = hash_block(req.last_hash, token_ids[start:start + self.block_size])
@@ -112,7 +114,7 @@ class BlockManager:
             req.last_hash = block_hash
 
         req.num_tokens = len(req.block_ids) * self.block_size
-        self.num_prefix_hit_tokens += req.num_tokens
+        req.lookup = (num_query_blocks * self.block_size, req.num_tokens)
         return req.num_tokens
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
@@ -124,16 +126,24 @@ class BlockManager:
         if req is not None and num_tokens <= len(req.block_ids) * self.block_size:
             # Within the blocks it holds (most decode steps): nothing to take from the pool.
             req.num_tokens = num_tokens
+            self._count_lookup(req)
             return True
         if self.num_new_blocks_needed(request_id, num_tokens) > self.num_free_blocks:
             return False
         if req is None:
             req = self._requests[request_id] = _Request()
+        self._count_lookup(req)
 
         while len(req.block_ids) < _cdiv(num_tokens, self.block_size):
             req.block_ids.append(self._take_block())
         req.num_tokens = num_tokens
         return True
+
+    def _count_lookup(self, req: _Request) -> None:
+        if req.lookup is not None:
+            self.num_prefix_query_tokens += req.lookup[0]
+            self.num_prefix_hit_tokens += req.lookup[1]
+            req.lookup = None
 
     def trim_slots(self, request_id: str, num_tokens: int) -> None:
         """Shrink the table to cover num_tokens slots; the blocks past them go back to the front of the free
