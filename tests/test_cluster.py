@@ -237,6 +237,24 @@ def test_metrics_and_request_log_count_what_was_served(cluster):
         assert record["per_output_token_ms"] > 0 and record["resumptions"] == 0
 
 
+def test_a_request_the_gateway_ends_logs_the_kv_blocks_it_held(cluster):
+    import json
+    call = cluster.stub.Generate(inference_pb2.GenerateRequest(
+        request_id="cut-short", prompt_token_ids=list(range(5, 45)),
+        sampling=inference_pb2.SamplingOptions(max_tokens=200, ignore_eos=True)), timeout=60)
+    for i, _ in enumerate(call):
+        if i == 2:
+            call.cancel()  # the gateway ends it: the worker's last delta never reaches its log line
+            break
+    deadline, record = time.monotonic() + 10, None
+    while record is None and time.monotonic() < deadline:
+        record = next((json.loads(line[line.index("{"):]) for line in cluster.logs("gateway").splitlines()
+                       if '"event":"request"' in line and '"cut-short"' in line), None)
+        time.sleep(0.05)
+    assert record is not None and record["status_code"] == "CANCELLED"
+    assert record["peak_kv_blocks"] >= 40 // 16 and record["preemptions"] == 0
+
+
 def test_probe_worker(cluster):
     reply = cluster.stub.ProbeWorker(inference_pb2.ProbeWorkerRequest(worker_id="worker-1", deep=True), timeout=15)
     assert reply.ok and reply.latency_ms > 0

@@ -35,7 +35,8 @@ def test_deltas_carry_worker_timings_and_heartbeats_every_field(llama_dir):
         assert deltas[0].new_token_ids and deltas[0].worker_queue_ms >= 0 and deltas[0].prefill_ms > 0
         assert all(d.worker_queue_ms == 0 and d.prefill_ms == 0 for d in deltas[1:])
         assert deltas[-1].finished and deltas[-1].peak_kv_blocks == 8 and deltas[-1].num_preemptions == 0
-        assert all(d.peak_kv_blocks == 0 for d in deltas[:-1])
+        peaks = [d.peak_kv_blocks for d in deltas]  # the figures so far on every delta
+        assert peaks[0] >= 3 and peaks == sorted(peaks)
     hb = service.heartbeat.heartbeat().heartbeat
     assert hb.ready and not hb.is_hung and not hb.is_draining and hb.memory_level == "OK"
     assert hb.num_steps == 40 and hb.num_prefix_hit_tokens == 8 and hb.num_prefix_query_tokens == 16

@@ -281,11 +281,10 @@ class WorkerService:
                 finish_reason=out.finish_reason or "", error=out.error or "",
                 num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                 worker_queue_ms=out.worker_queue_ms, prefill_ms=out.prefill_ms,
-                num_draft_tokens=out.num_draft_tokens, num_accepted_draft_tokens=out.num_accepted_draft_tokens)
+                num_draft_tokens=out.num_draft_tokens, num_accepted_draft_tokens=out.num_accepted_draft_tokens,
+                num_preemptions=out.num_preemptions, peak_kv_blocks=out.peak_kv_blocks)
             if out.new_logprobs:
                 delta.logprobs.extend(logprobs_to_wire(out.new_logprobs, out.new_top_logprobs))
-            if out.finished:
-                delta.num_preemptions, delta.peak_kv_blocks = out.num_preemptions, out.peak_kv_blocks
             deltas.append(delta)
         if deltas:
             self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas, step_ms=step_ms)))
