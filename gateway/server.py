@@ -235,16 +235,10 @@ class Gateway:
         self.dispatcher = Dispatcher(config, on_workers_changed=self._schedule_health_update, metrics=self.metrics)
         self.admission = Admission(config, self.tokenizer, self.dispatcher, keys=self.keys)
         self.servicer = InferenceServicer(config, self.admission)
-        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g), g.read_timeout_s,
-                                                                     g.max_connections))
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
         tls = tls_files(g)
         credentials = grpc_server_credentials(tls) if tls is not None else None
-        self.port = add_grpc_port(self.server, g.host, g.port, credentials, g.reuse_port)
+        # The HTTP port is bound first: a gRPC server that bound its port and is then dropped, unstopped,
+        # because the HTTP port is taken, writes garbage to stderr as the interpreter exits.
         self.http: HttpServer | None = None
         if g.http_port:
             api = OpenAiApi(self.admission, self.is_serving)
@@ -252,6 +246,14 @@ class Gateway:
                                    max_header_bytes=g.max_header_bytes, read_timeout_s=g.read_timeout_s,
                                    max_connections=g.max_connections,
                                    on_connection_refused=self.metrics.http_connections_refused.inc)
+        self.server = grpc.aio.server(options=grpc_server_options(g.reuse_port, max_request_bytes(g), g.read_timeout_s,
+                                                                     g.max_connections))
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        self.port = add_grpc_port(self.server, g.host, g.port, credentials, g.reuse_port)
         self._stopped = asyncio.Event()
         self._health_names: set[str] = set()
 

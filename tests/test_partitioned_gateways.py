@@ -246,6 +246,14 @@ def test_reuse_port_lets_gateways_share_a_port_and_without_it_a_taken_port_fails
             log = (tmp_path / f"{name}.log").read_text()
             assert f"cannot listen on 127.0.0.1:{taken_port} for gRPC (gateway.port)" in log, log
             assert "gateway.reuse_port" in log and "Traceback" not in log, log
+        # So does one whose HTTP port alone is taken, with that one line and nothing after it.
+        proc = procs["http-taken"] = spawn_gateway(tmp_path, "http-taken", free_port(), *model, "--gateway.http_port",
+                                                   str(shared_http))
+        assert proc.wait(timeout=60) == 2
+        log = (tmp_path / "http-taken.log").read_text()
+        assert log.rstrip().endswith(f"cannot listen on 127.0.0.1:{shared_http} for HTTP (gateway.http_port): Address "
+                                     f"already in use; stop what holds it, choose another port, or set "
+                                     f"gateway.reuse_port = true on every gateway that is to share it"), log
         # Each new connection to the shared port reaches one of the two; calls succeed on both.
         seen = set()
         for _ in range(24):
