@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         # Checked before any supervisor loop, so an exposed start fails once, with the reason.
         check_exposure(config.gateway, KeyStore.from_config(config.gateway))
         transport_keys(config, GATEWAY_ROLE)
-    except ConfigError as e:
-        parser.error(str(e))
+    except ConfigError as e:  # argparse's error line without its usage, which lists every config flag
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if args.supervise:
         return run_supervisor(config, [a for a in argv if a != SUPERVISE_FLAG])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")

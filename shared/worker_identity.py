@@ -30,8 +30,8 @@ def worker_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     try:
         config = config_from_args(args)
         transport_keys(config, WORKER)
-    except ConfigError as e:
-        parser.error(str(e))
+    except ConfigError as e:  # argparse's error line without its usage, which lists every config flag
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     return config
 
 

@@ -193,6 +193,7 @@ def test_a_non_loopback_address_without_keys_refuses_to_start(served_checkpoint,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "allow_unauthenticated" in done.stderr and "api_keys_file" in done.stderr, (
             module, done.returncode, done.stderr[-2000:])
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # the reason alone, not argparse's usage
     keys = tmp_path / "keys"
     keys.write_text(f"{API_KEY}\n")
     for flags in (["--gateway.api_keys_file", str(keys)], ["--gateway.allow_unauthenticated", "true"]):
