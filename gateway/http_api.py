@@ -37,10 +37,12 @@ from gateway.http_errors import ApiError, http_error, internal_error, too_deep_b
 from gateway.http_tokenize import TokenizeRoutes
 from gateway.openai_requests import (ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request,
                                      completion_requests, named_as_in_body, refused_tool)
-from gateway.openai_responses import SSE_DONE, Choice, ResponseBuilder, TokenTexts, error_body, sse_error
+from gateway.openai_responses import Choice, ResponseBuilder, TokenTexts, error_body
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from gateway.request_log import refuse_request
+from gateway.responses_output import ResponsesBuilder
+from gateway.responses_requests import ResponsesRequest, chat_of
 from gateway.sequences import SequenceFailed, Sequences
 from protos import inference_pb2
 
@@ -81,6 +83,7 @@ class OpenAiApi:
         app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS)(self.model_card)
         app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)(self.completions)
         app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)(self.chat)
+        app.post("/v1/responses", responses=_ERRORS)(self.responses)
         TokenizeRoutes(self.admission, self._check_model, _ERRORS).register(app)
         app.get("/health", responses={503: {"description": "draining, or no worker ready"}})(self.health)
         app.get("/metrics", response_class=PlainTextResponse)(self.prometheus)
@@ -146,7 +149,14 @@ class OpenAiApi:
 
         return await self._answer(body, request, convert, chat=True)
 
-    async def _answer(self, body, request: Request, convert, chat: bool):
+    async def responses(self, body: ResponsesRequest, request: Request):
+        def convert():
+            generate_request, presentation = chat_request(chat_of(body), self.config.gateway)
+            return [generate_request], presentation
+
+        return await self._answer(body, request, convert, chat=True, responses=body)
+
+    async def _answer(self, body, request: Request, convert, chat: bool, responses: ResponsesRequest | None = None):
         self._check_model(body.model)
         try:
             requests, presentation = convert()
@@ -157,12 +167,14 @@ class OpenAiApi:
                                 f"surrogate") from None
         except RecursionError:  # a schema or tool parsed, but nested too deeply to write back as JSON
             raise await too_deep_body(request) from None
-        request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        return await self._generate(request, request_id, requests, presentation, body.timeout, chat)
+        kind = "resp" if responses is not None else "chatcmpl" if chat else "cmpl"
+        request_id = request.headers.get("x-request-id") or f"{kind}-{uuid.uuid4().hex}"
+        return await self._generate(request, request_id, requests, presentation, body.timeout, chat, responses)
 
     # ---- generation ---------------------------------------------------------------------------------
     async def _generate(self, http: Request, request_id: str, requests: list[inference_pb2.GenerateRequest],
-                        presentation: Presentation, body_timeout: float | None, chat: bool):
+                        presentation: Presentation, body_timeout: float | None, chat: bool,
+                        responses: ResponsesRequest | None = None):
         arrival_s = time.monotonic()
         timeout_s = _timeout(http, body_timeout)
         principal = principal_of(http.scope)
@@ -173,7 +185,8 @@ class OpenAiApi:
         streaming = False
         try:
             sequences = await self._admit(http, request_id, requests, presentation, arrival_s, timeout_s, chat)
-            builder = ResponseBuilder(request_id, self.model, chat, presentation, self.texts)
+            builder = (ResponseBuilder(request_id, self.model, chat, presentation, self.texts) if responses is None
+                       else ResponsesBuilder(request_id, responses, self.model, presentation, self.texts))
             n = presentation.n
             # The echoed prompt, once per prompt (its n choices share it).
             echoes = ([self._echo(r, sequences.states[p * n]) for p, r in enumerate(requests)] if presentation.echo
@@ -278,14 +291,14 @@ class OpenAiApi:
                 if sequences.is_done:
                     break
                 index, events = await sequences.next()
-            if builder.presentation.include_usage:
-                yield builder.usage_chunk(choices)
-            yield SSE_DONE
+            for chunk in builder.closing(choices):
+                yield chunk
             sequences.outcome = grpc.StatusCode.OK
         except SequenceFailed as e:
             sequences.outcome = e.code
             status = HTTP_STATUS.get(e.code, 500)
-            yield sse_error(error_body(e.message, ERROR_TYPE.get(status, "server_error"), None, e.code.name.lower()))
+            yield builder.failure(error_body(e.message, ERROR_TYPE.get(status, "server_error"), None,
+                                             e.code.name.lower()))
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _card(self) -> dict:

@@ -12,7 +12,7 @@ from gateway.auth import ANONYMOUS, Principal
 from gateway.http_errors import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes whose calls are requests
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")  # the routes whose calls are requests
 
 
 def principal_of(scope) -> Principal:

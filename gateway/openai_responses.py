@@ -222,6 +222,14 @@ class ResponseBuilder:
         return self._sse({"id": self.request_id, "object": self._chunk_object(), "created": self.created,
                           "model": self.model, "choices": [], "usage": usage(choices, self.presentation.n)})
 
+    def closing(self, choices: list[Choice]) -> list[str]:
+        """What a stream ends with: the usage chunk when asked for, then [DONE]."""
+        return ([self.usage_chunk(choices)] if self.presentation.include_usage else []) + [SSE_DONE]
+
+    @staticmethod
+    def failure(error: dict) -> str:
+        return sse_error(error)
+
     def _chunk(self, choice: dict, first_of: Choice) -> str:
         if self.presentation.return_token_ids and first_of.index not in self._started and not self.chat:
             choice["prompt_token_ids"] = list(first_of.state.prompt_ids)

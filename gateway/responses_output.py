@@ -1,0 +1,142 @@
+"""OpenAI's Responses API, the answer half: a chat's one choice as a `response` object, and its
+stream as the Responses API's typed events (`event: <type>` then its JSON, each with a
+`sequence_number`), in the order OpenAI sends them.
+
+Text streams as `response.output_text.delta` events of one message item. Tool calls leave whole
+once the constrained output parses (as on the chat API): each a `function_call` item, its
+arguments in one delta. A response cut by max_output_tokens is `incomplete`, reason
+`max_output_tokens`; an error mid-stream is an `error` event, after which nothing follows.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from gateway.openai_requests import Presentation
+from gateway.openai_responses import Choice, ResponseBuilder, TokenTexts
+from gateway.responses_requests import ResponsesRequest
+from shared.wire import TokenLogprob
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesBuilder:
+    """The response object and stream events of one Responses request (one choice)."""
+    carries_tokens = False
+
+    def __init__(self, request_id: str, body: ResponsesRequest, model: str, presentation: Presentation,
+                 texts: TokenTexts):
+        self.body, self.model, self.presentation = body, model, presentation
+        self.chat = ResponseBuilder(request_id, model, True, presentation, texts)  # its tool-call parsing
+        self.id, self.message_id = request_id, _id("msg")
+        self.created = int(time.time())
+        self._sequence = 0
+
+    # ---- whole responses ----------------------------------------------------------------------------
+    def response(self, choices: list[Choice]) -> dict:
+        [c] = choices
+        return self._response(c, self._output(c))
+
+    def _response(self, c: Choice | None, output: list[dict]) -> dict:
+        b = self.body
+        status = "in_progress" if c is None or c.finish_reason is None else (
+            "incomplete" if c.finish_reason == "length" else "completed")
+        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {
+            "type": "text"}
+        tool_choice = b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump") else (b.tool_choice or "auto")
+        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+                "metadata": b.metadata or {}, "parallel_tool_calls": b.parallel_tool_calls is not False,
+                "temperature": b.temperature, "top_p": b.top_p, "tool_choice": tool_choice,
+                "tools": [t.model_dump(exclude_none=True) for t in b.tools or []], "text": {"format": fmt},
+                "truncation": "disabled", "store": False, "user": b.user, "usage": None}
+        if c is not None and c.finish_reason is not None:
+            prompt, output_tokens = len(c.state.prompt_ids), len(c.state.output_ids)
+            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": c.state.num_cached_tokens},
+                             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": prompt + output_tokens}
+        return body
+
+    def _output(self, c: Choice) -> list[dict]:
+        calls = self.chat._tool_calls(c)
+        if calls is not None:
+            return [self._call_item(call) for call in calls]
+        return [self._message(c.text, "incomplete" if c.finish_reason == "length" else "completed")]
+
+    def _message(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self._part(text)]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def _part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    @staticmethod
+    def _call_item(call: dict) -> dict:
+        return {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"], "status": "completed"}
+
+    # ---- streamed events ----------------------------------------------------------------------------
+    def opening(self, choices: list[Choice]) -> list[str]:
+        events = [self._event("response.created", response=self._response(None, [])),
+                  self._event("response.in_progress", response=self._response(None, []))]
+        if not self.presentation.tool_calls:
+            events += [self._event("response.output_item.added", output_index=0,
+                                   item=self._message(None, "in_progress")),
+                       self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+                                   content_index=0, part=self._part(""))]
+        return events
+
+    def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
+        events = []
+        if text and not self.presentation.tool_calls:
+            events.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
+                                      content_index=0, delta=text, logprobs=[]))
+        if c.finish_reason is not None:
+            events += self._ending(c)
+        return "".join(events) or None
+
+    def _ending(self, c: Choice) -> list[str]:
+        output = self._output(c)
+        events = []
+        for index, item in enumerate(output):
+            if item["type"] == "message":
+                if self.presentation.tool_calls:  # calls that did not parse: the text, whole
+                    events += [self._event("response.output_item.added", output_index=index,
+                                           item=self._message(None, "in_progress")),
+                               self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                           content_index=0, part=self._part(""))]
+                    events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                              content_index=0, delta=c.text, logprobs=[]))
+                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                       content_index=0, text=c.text, logprobs=[]),
+                           self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                       content_index=0, part=self._part(c.text))]
+            else:
+                added = {**item, "arguments": "", "status": "in_progress"}
+                events += [self._event("response.output_item.added", output_index=index, item=added),
+                           self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                       output_index=index, delta=item["arguments"]),
+                           self._event("response.function_call_arguments.done", item_id=item["id"],
+                                       output_index=index, name=item["name"], arguments=item["arguments"])]
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        response = self._response(c, output)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=response)]
+
+    def closing(self, choices: list[Choice]) -> list[str]:
+        return []  # the completed (or incomplete) event ended the stream: there is no [DONE]
+
+    def failure(self, error: dict) -> str:
+        e = error["error"]
+        return self._event("error", code=e["code"], message=e["message"], param=e["param"])
+
+    def _event(self, kind: str, **fields) -> str:
+        body = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
