@@ -1,6 +1,7 @@
 """vLLM's /tokenize and /detokenize on the HTTP API: a prompt, or a chat's messages and tools,
 turned into the token ids a completion or chat request with them would give the model (the same
-checks, template and tokenizer), counted against the context; and token ids turned back into text.
+checks, template and tokenizer), counted against the context (one longer than the context is
+refused, naming its count: no request could send it); and token ids turned back into text.
 
 Clients use them to budget a prompt before sending it and to see how text splits. Neither is a
 generation: no request-log line, no queue, no key's request or token budget; each still needs a
@@ -22,7 +23,7 @@ from gateway.tokenizer import Tokenizer
 from gateway.validation import InvalidRequest, check_sizes, encoded_prompt
 from protos import inference_pb2
 
-# Token ids decoded on the loop below this; more go to a pool thread.
+# Token ids decoded (or looked up) on the loop up to this many; more on a pool thread.
 DETOKENIZE_ON_LOOP_MAX = 4096
 
 
@@ -108,10 +109,18 @@ class TokenizeRoutes:
                                       self.tokenizer)
             except InvalidRequest as e:
                 raise ApiError.from_code(e.code, e.message.replace("tools_json", "tools")) from None
-        answer = {"count": len(ids), "max_model_len": self.admission.max_model_len, "tokens": ids}
+        max_model_len = self.admission.max_model_len
+        if len(ids) > max_model_len:  # no request could send it: its ids would only cost the loop to answer
+            raise ApiError(400, f"the {'prompt' if isinstance(body, TokenizePromptRequest) else 'chat'} is "
+                                f"{len(ids)} tokens, more than the model's context of {max_model_len}",
+                           "prompt" if isinstance(body, TokenizePromptRequest) else "messages")
+        answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
         if body.return_token_strs:
-            answer["token_strs"] = [self.tokenizer.token_piece(i) for i in ids]
+            answer["token_strs"] = await self._run(len(ids) > DETOKENIZE_ON_LOOP_MAX, self._pieces, ids)
         return answer
+
+    def _pieces(self, ids: list[int]) -> list[str | None]:
+        return [self.tokenizer.token_piece(i) for i in ids]
 
     async def detokenize(self, model: str | None, tokens: list[int]) -> dict:
         if model is not None:

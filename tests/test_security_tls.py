@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -73,7 +74,13 @@ def tls_sections(pki, client_ca: bool = False) -> dict:
 
 def test_grpc_and_https_over_tls_and_plaintext_refused(served_checkpoint, pki):
     ca = (pki / "ca.pem").read_bytes()
-    with Cluster(served_checkpoint, num_workers=1, sections=tls_sections(pki), api_key=API_KEY, tls_root=ca) as c:
+    sections = tls_sections(pki)
+    sections["gateway"]["read_timeout_s"] = 3.0
+    with Cluster(served_checkpoint, num_workers=1, sections=sections, api_key=API_KEY, tls_root=ca) as c:
+        # A connection that never starts its TLS handshake is closed after read_timeout_s (asyncio's
+        # default would hold it 60 s), as an idle plaintext one is.
+        with socket.create_connection(("127.0.0.1", c.http_port), timeout=30) as idle:
+            assert idle.recv(1) == b""
         ids, _, _ = generate(c.stub, prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 3, "ignore_eos": True},
                              metadata=c.metadata)
         assert len(ids) == 3

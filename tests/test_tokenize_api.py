@@ -9,12 +9,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.cluster_process import free_port
-from cluster_harness import SERVED_MAX_POSITIONS
 from gateway_fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "llama"
 MAX_PROMPT_CHARS = 4096
+MAX_MODEL_LEN = 256
 PROMPT = "Paged attention keeps the KV cache in blocks; héllo wörld 🙂"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"},
             {"role": "assistant", "content": None, "tool_calls": [
@@ -29,7 +29,8 @@ def http(served_checkpoint):
     """A client of the HTTP API of a cluster of its own."""
     port = free_port()
     with (FakeCluster(served_checkpoint, step_ms=5,
-                      sections={"gateway": {"http_port": port, "max_prompt_chars": MAX_PROMPT_CHARS}}),
+                      sections={"gateway": {"http_port": port, "max_prompt_chars": MAX_PROMPT_CHARS},
+                                "worker": {"max_model_len": MAX_MODEL_LEN}}),
           httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client):
         yield client
 
@@ -44,7 +45,7 @@ def test_a_prompt_tokenizes_as_transformers_does_and_as_a_completion_sends_it(ht
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == hf.encode(PROMPT) and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == SERVED_MAX_POSITIONS
+    assert body["max_model_len"] == MAX_MODEL_LEN
     assert body["token_strs"] == hf.convert_ids_to_tokens(body["tokens"])
     plain = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
     assert plain["tokens"] == hf.encode(PROMPT, add_special_tokens=False) and "token_strs" not in plain
@@ -82,6 +83,7 @@ def test_detokenize_is_transformers_decode_and_inverts_tokenize(http, hf):
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"prompt": "a", "tools": TOOLS}, 400, "tools"),
     ("/tokenize", {"prompt": "a" * (MAX_PROMPT_CHARS + 1)}, 400, "gateway.max_prompt_chars"),
+    ("/tokenize", {"prompt": "日本" * (MAX_PROMPT_CHARS // 2)}, 400, "more than the model's context of 256"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a" * (MAX_PROMPT_CHARS + 1)}]}, 400,
      "gateway.max_prompt_chars"),
     ("/tokenize", {"messages": [{"role": "critic", "content": "x"}]}, 400, "messages.0.role"),
