@@ -183,10 +183,15 @@ class ResponseBuilder:
                 delta = {"content": c.text}
             entry = {"index": c.index, "delta": delta,
                      "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
-                     "finish_reason": "tool_calls" if calls is not None else c.finish_reason}
+                     "finish_reason": None if calls is not None else c.finish_reason}
             if p.return_token_ids:
                 entry["token_ids"] = list(c.token_ids)
-            return self._chunk(entry, first_of=c)
+            if calls is None:
+                return self._chunk(entry, first_of=c)
+            # The finish in a chunk of its own, as OpenAI sends it: the openai client's stream helper
+            # reads a chunk's finish before its calls, and would not report them done.
+            return self._chunk(entry, first_of=c) + self._chunk(
+                {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}, first_of=c)
         if self.chat:
             entry = {"index": c.index, "delta": {"content": text} if text or not c.finish_reason else {},
                      "logprobs": chat_logprobs(logprobs, self.texts) if p.logprobs is not None else None,

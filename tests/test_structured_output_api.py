@@ -97,6 +97,11 @@ def test_named_and_required_tool_calls(client):
     assert [tc.function.name for tc in streamed] == ["get_weather"]
     assert streamed[0].function.arguments == call_arguments(named)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The client's stream helper reports each call's arguments done (it reads a finish before calls).
+    with client.chat.completions.stream(**ask(seed=3, tools=[WEATHER, CLOCK], tool_choice={
+            "type": "function", "function": {"name": "get_weather"}})) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+    assert [(e.name, e.arguments) for e in done] == [("get_weather", call_arguments(named))]
 
 
 def test_a_tool_call_and_its_result_go_back_to_the_model(client, tokenizer):
