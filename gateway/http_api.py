@@ -42,7 +42,7 @@ from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from gateway.request_log import refuse_request
 from gateway.responses_output import ResponsesBuilder
-from gateway.responses_requests import ResponsesRequest, chat_of
+from gateway.responses_requests import ResponsesRequest, chat_of, in_responses_words
 from gateway.sequences import SequenceFailed, Sequences
 from protos import inference_pb2
 
@@ -143,18 +143,15 @@ class OpenAiApi:
         return await self._answer(body, request, lambda: completion_requests(body, self.config.gateway), chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        def convert():
-            generate_request, presentation = chat_request(body, self.config.gateway)
-            return [generate_request], presentation
-
-        return await self._answer(body, request, convert, chat=True)
+        return await self._answer(body, request, lambda: _one(*chat_request(body, self.config.gateway)), chat=True)
 
     async def responses(self, body: ResponsesRequest, request: Request):
-        def convert():
-            generate_request, presentation = chat_request(chat_of(body), self.config.gateway)
-            return [generate_request], presentation
-
-        return await self._answer(body, request, convert, chat=True, responses=body)
+        try:
+            return await self._answer(body, request, lambda: _one(*chat_request(chat_of(body), self.config.gateway)),
+                                      chat=True, responses=body)
+        except ApiError as e:
+            e.message, e.param = in_responses_words(e.message), in_responses_words(e.param)
+            raise
 
     async def _answer(self, body, request: Request, convert, chat: bool, responses: ResponsesRequest | None = None):
         self._check_model(body.model)
@@ -369,6 +366,10 @@ async def _until_disconnect(http: Request, work, on_gone: Callable[[], None]):
 async def _disconnected(http: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+def _one(request: inference_pb2.GenerateRequest, presentation: Presentation):
+    return [request], presentation
 
 
 def _timeout(http: Request, body_timeout: float | None) -> float | None:

@@ -57,8 +57,9 @@ class HttpServer:
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                timeout_keep_alive=30, http=guarded_http_protocol(max_header_bytes, read_timeout_s, max_connections,
-                                                                on_connection_refused),
+                                timeout_keep_alive=30,
+                                http=guarded_http_protocol(max_header_bytes, read_timeout_s, max_connections,
+                                                           on_connection_refused),
                                 **(tls.uvicorn_args() if tls else {}))
         self.server = _InLoopServer(config)
         self.server.handshake_timeout_s = read_timeout_s

@@ -327,10 +327,13 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
 
 
 def _session(body: _Sampling) -> str:
-    """The OpenAI API's `user` is the request's session (gateway/routing.py's sticky sessions)."""
-    if body.user is not None and len(body.user) > MAX_SESSION_ID_LEN:
-        raise BadRequest(f"user is {len(body.user)} characters; at most {MAX_SESSION_ID_LEN}", "user")
-    return body.user or ""
+    """The OpenAI API's `prompt_cache_key`, else its `user`, is the request's session
+    (gateway/routing.py's sticky sessions)."""
+    for name in ("prompt_cache_key", "user"):
+        value = getattr(body, name)
+        if value is not None and len(value) > MAX_SESSION_ID_LEN:
+            raise BadRequest(f"{name} is {len(value)} characters; at most {MAX_SESSION_ID_LEN}", name)
+    return body.prompt_cache_key or body.user or ""
 
 
 def _truncate(body: _Sampling) -> int:

@@ -60,6 +60,17 @@ class _Sampling(_Request):
     timeout: float | None = Field(None, description="seconds; the request ends 504 past it, like a gRPC deadline")
     speculative_ngram_k: int | None = Field(None, description="speculative decoding by prompt lookup: up to this "
                                             "many draft tokens a step (0 = off; unset = the server's default)")
+    # OpenAI's fields with nothing to do here: nothing is stored, there is one service tier, and a
+    # prompt_cache_key is a session as `user` is (the cache-aware router keeps it on one worker).
+    store: bool | None = Field(None, description="taken; this server stores nothing")
+    metadata: dict[str, str] | None = Field(None, description="taken; this server stores nothing")
+    service_tier: str | None = Field(None, description="taken; there is one tier")
+    safety_identifier: str | None = Field(None, description="taken")
+    prompt_cache_key: str | None = Field(None, description="the request's session, as `user` (cache-aware routing)")
+    # vLLM's extensions at their defaults (a client that writes every field out); other values are
+    # refused by name, not ignored.
+    skip_special_tokens: Literal[True] = True
+    include_stop_str_in_output: Literal[False] = False
     null_n_stream = _null_takes_default("n", "stream")
 
 
@@ -90,6 +101,7 @@ class _Constrained(_Sampling):
 
 class CompletionRequest(_Constrained):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    suffix: None = Field(None, description="only null: no insertion after the output")
     max_tokens: int | None = None
     logprobs: int | None = Field(None, description="alternatives per token, 0..5")
     echo: bool | None = False
@@ -171,6 +183,11 @@ class ChatCompletionRequest(_Constrained):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    modalities: list[Literal["text"]] | None = Field(None, description="only text")
+    reasoning_effort: None = Field(None, description="only null: the served models do not reason")
+    verbosity: str | None = Field(None, description="taken; the model writes as it writes")
+    add_generation_prompt: Literal[True] = True
+    continue_final_message: Literal[False] = False
     null_logprobs = _null_takes_default("logprobs")
 
 

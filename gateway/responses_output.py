@@ -5,7 +5,8 @@ stream as the Responses API's typed events (`event: <type>` then its JSON, each 
 Text streams as `response.output_text.delta` events of one message item. Tool calls leave whole
 once the constrained output parses (as on the chat API): each a `function_call` item, its
 arguments in one delta. A response cut by max_output_tokens is `incomplete`, reason
-`max_output_tokens`; an error mid-stream is an `error` event, after which nothing follows.
+`max_output_tokens`, and one aborted `cancelled` (streamed, each ends with `response.incomplete`);
+an error mid-stream is an `error` event, after which nothing follows.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from gateway.openai_requests import Presentation
 from gateway.openai_responses import Choice, ResponseBuilder, TokenTexts
 from gateway.responses_requests import ResponsesRequest
 from shared.wire import TokenLogprob
+
+
+# A generation's finish reason as a response's status: cut by its length, or ended by an abort.
+_STATUS = {"length": "incomplete", "abort": "cancelled"}
 
 
 def _id(prefix: str) -> str:
@@ -42,8 +47,7 @@ class ResponsesBuilder:
 
     def _response(self, c: Choice | None, output: list[dict]) -> dict:
         b = self.body
-        status = "in_progress" if c is None or c.finish_reason is None else (
-            "incomplete" if c.finish_reason == "length" else "completed")
+        status = "in_progress" if c is None or c.finish_reason is None else _STATUS.get(c.finish_reason, "completed")
         fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {
             "type": "text"}
         tool_choice = b.tool_choice.model_dump() if hasattr(b.tool_choice, "model_dump") else (b.tool_choice or "auto")
@@ -57,7 +61,8 @@ class ResponsesBuilder:
                 "truncation": "disabled", "store": False, "user": b.user, "usage": None}
         if c is not None and c.finish_reason is not None:
             prompt, output_tokens = len(c.state.prompt_ids), len(c.state.output_ids)
-            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": c.state.num_cached_tokens},
+            body["usage"] = {"input_tokens": prompt,
+                             "input_tokens_details": {"cached_tokens": c.state.num_cached_tokens},
                              "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": prompt + output_tokens}
         return body
@@ -66,7 +71,8 @@ class ResponsesBuilder:
         calls = self.chat._tool_calls(c)
         if calls is not None:
             return [self._call_item(call) for call in calls]
-        return [self._message(c.text, "incomplete" if c.finish_reason == "length" else "completed")]
+        return [self._message(c.text, "completed" if _STATUS.get(c.finish_reason, "completed") == "completed"
+                              else "incomplete")]
 
     def _message(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [self._part(text)]
@@ -126,7 +132,7 @@ class ResponsesBuilder:
                                        output_index=index, name=item["name"], arguments=item["arguments"])]
             events.append(self._event("response.output_item.done", output_index=index, item=item))
         response = self._response(c, output)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return events + [self._event(kind, response=response)]
 
     def closing(self, choices: list[Choice]) -> list[str]:

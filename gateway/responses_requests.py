@@ -10,6 +10,8 @@ tools, images, files, reasoning) are refused 400 naming the field, never silentl
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError
@@ -73,6 +75,14 @@ class TextFormat(_Request):
 
 class TextOptions(_Request):
     format: TextFormat | None = None
+    verbosity: str | None = Field(None, description="taken; the model writes as it writes")
+
+
+class ReasoningOptions(_Request):
+    """Only empty: the served models do not reason (clients send it null or with null fields)."""
+    effort: None = None
+    summary: None = None
+    generate_summary: None = None
 
 
 class ResponsesRequest(_Request):
@@ -92,26 +102,44 @@ class ResponsesRequest(_Request):
     store: bool | None = Field(None, description="taken; this server keeps no responses")
     truncation: Literal["disabled"] | None = None
     timeout: float | None = Field(None, description="seconds; the request ends 504 past it")
+    # What OpenAI's clients send that asks nothing of this server: an empty `include`, no
+    # reasoning, no log-probabilities, a service tier, stream options; a prompt_cache_key is the
+    # request's session (cache-aware routing), as `user` is.
+    include: list[str] | None = Field(None, description="only empty: no extra output is served")
+    reasoning: ReasoningOptions | None = None
+    top_logprobs: Literal[0] | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict | None = Field(None, description="taken")
     # State this server does not keep: refused by name (a 400 saying why) rather than as unknown.
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
+    prompt: Any = None
 
 
-_STATEFUL = ("previous_response_id", "conversation", "background")
+_STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 
 
 def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request a Responses body amounts to; BadRequest names what cannot be served."""
     for name in _STATEFUL:
         if getattr(body, name) not in (None, False):
-            raise BadRequest(f"{name}: this server keeps no responses or conversations; send the whole input "
-                             f"each time", name)
+            raise BadRequest(f"{name}: this server keeps no responses, conversations or prompts; send the whole "
+                             f"input each time", name)
+    if body.include:
+        raise BadRequest(f"include: this server adds nothing to a response's output ({body.include[0]!r} asked)",
+                         "include")
+    # Only echoed back, so never encoded on their way to the model: a lone surrogate in them is found here.
+    json.dumps([body.metadata, [t.description for t in body.tools or []],
+                body.text.format.description if body.text and body.text.format else None],
+               ensure_ascii=False).encode()
     messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for item in items:
         if isinstance(item, MessageItem):
-            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            content = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
             messages.append({"role": item.role, "content": content})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
@@ -124,6 +152,7 @@ def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream, "user": body.user,
+                              "prompt_cache_key": body.prompt_cache_key,
                               "temperature": body.temperature, "top_p": body.top_p, "timeout": body.timeout,
                               "max_completion_tokens": body.max_output_tokens,
                               "parallel_tool_calls": body.parallel_tool_calls}
@@ -148,3 +177,21 @@ def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]).replace(".function.", ".")  # a tool's own fields
         raise BadRequest(f"{where}: {first['msg']}", where) from None
+
+
+# A refusal of the chat a Responses body amounts to, in the Responses body's own words.
+_RENAMES = ((re.compile(r"response_format\.json_schema\.schema"), "text.format.schema"),
+            (re.compile(r"response_format / structured_outputs|response_format|structured_outputs"), "text.format"),
+            (re.compile(r"\bmax_completion_tokens\b|\bmax_tokens\b"), "max_output_tokens"),
+            (re.compile(r"\bmessages(?:\[\d+\])?\.tool_calls\[\d+\]\.function\.arguments"),
+             "input (a function_call's arguments)"),
+            (re.compile(r"\bmessages(?:\[\d+\])?"), "input"),
+            (re.compile(r" or set truncate_prompt_tokens"), ""))
+
+
+def in_responses_words(text: str | None) -> str | None:
+    if text is None:
+        return None
+    for pattern, name in _RENAMES:
+        text = pattern.sub(name, text)
+    return text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx2 as httpx
 import jsonschema
 import openai
 import pydantic
@@ -13,6 +14,7 @@ import pytest
 
 from bench.cluster_process import free_port
 from cluster_harness import Cluster
+from protos import inference_pb2
 
 pytestmark = pytest.mark.timeout(300)
 MODEL = "llama"
@@ -90,7 +92,8 @@ def test_function_calls_and_their_outputs_go_back_to_the_model(client):
             {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]},
         *({"role": "tool", "tool_call_id": c.call_id, "content": "sunny"} for c in calls)])
-    assert follow.usage.input_tokens == chat.usage.prompt_tokens and follow.output_text == chat.choices[0].message.content
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    assert follow.output_text == chat.choices[0].message.content
     with client.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER], max_output_tokens=200,
                                  temperature=1.0, tool_choice={"type": "function", "name": "get_weather"}) as stream:
         kinds = [e.type for e in stream]
@@ -98,6 +101,46 @@ def test_function_calls_and_their_outputs_go_back_to_the_model(client):
     [call] = final.output
     assert call.type == "function_call" and "response.function_call_arguments.done" in kinds
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
+def test_a_lone_surrogate_in_a_field_only_echoed_back_is_refused_before_generating(cluster):
+    body = ('{"model": "llama", "input": "hi", "max_output_tokens": 2, "metadata": {"k": "\\ud800"}}').encode()
+    for stream in (False, True):
+        r = httpx.post(f"http://127.0.0.1:{cluster.http_port}/v1/responses", timeout=30,
+                       content=body.replace(b'"hi"', b'"hi", "stream": %s' % (b"true" if stream else b"false")),
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "valid Unicode" in r.json()["error"]["message"], r.text
+
+
+def test_what_openai_clients_send_by_default_is_taken(client):
+    # The Agents SDK sends include=[] on every call; others send reasoning=null and the like.
+    r = client.responses.create(model=MODEL, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}]}], max_output_tokens=2,
+        include=[], reasoning=None, prompt_cache_key="conversation-7", service_tier="auto",
+        extra_body={"reasoning": {"effort": None}, "text": {"verbosity": "low"}, "top_logprobs": 0})
+    chat = client.chat.completions.create(model=MODEL, max_completion_tokens=2, store=False, metadata={"a": "b"},
+                                          messages=[{"role": "user", "content": [
+                                              {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}],
+                                          prompt_cache_key="conversation-7", service_tier="auto",
+                                          extra_body={"skip_special_tokens": True, "add_generation_prompt": True})
+    assert r.usage.input_tokens == chat.usage.prompt_tokens  # text parts joined as a chat joins them
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, max_completion_tokens=2,
+                                       messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"include_stop_str_in_output": True})
+    assert "include_stop_str_in_output" in refused.value.message
+
+
+def test_an_aborted_response_is_cancelled_not_completed(client, cluster):
+    stream = client.responses.create(model=MODEL, input="Once", max_output_tokens=2000, stream=True, temperature=0,
+                                     extra_headers={"x-request-id": "resp-to-abort"})
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            cluster.stub.Abort(inference_pb2.AbortRequest(request_id="resp-to-abort"), timeout=5)
+            break
+    last = list(stream)[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    assert last.response.output[0].status == "incomplete" and last.response.incomplete_details is None
 
 
 def test_text_format_constrains_the_output_and_parse_reads_it(client):
@@ -126,6 +169,14 @@ def test_text_format_constrains_the_output_and_parse_reads_it(client):
     ({"tools": [{**WEATHER, "parameters": {"type": "integer"}}]}, openai.BadRequestError,
      "tools.0.parameters: Value error, a function's parameters must be a JSON Schema of an object"),
     ({"model": "other"}, openai.NotFoundError, "other"),
+    ({"include": ["message.output_text.logprobs"]}, openai.BadRequestError, "include"),
+    ({"reasoning": {"effort": "high"}}, openai.BadRequestError, "reasoning.effort"),
+    ({"prompt": {"id": "pmpt_1"}}, openai.BadRequestError, "keeps no responses, conversations or prompts"),
+    # Refusals of the chat it amounts to name the Responses body's fields.
+    ({"max_output_tokens": 0}, openai.BadRequestError, "max_output_tokens must be >= 1"),
+    ({"input": []}, openai.BadRequestError, "input"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"},
+     openai.BadRequestError, "drop text.format"),
 ])
 def test_what_it_cannot_serve_is_refused_by_name(client, fields, error, named):
     with pytest.raises(error) as refused:
