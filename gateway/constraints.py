@@ -62,7 +62,7 @@ def grammar_of(constraint: inference_pb2.StructuredOutput) -> str:
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError("structured_output.json_schema must be a JSON object (a schema)")
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
         except ValueError as e:
             raise ConstraintError(f"structured_output.json_schema: {e}") from None
         except RecursionError:  # written back as text, a few calls deeper than it was parsed
@@ -80,6 +80,34 @@ def grammar_of(constraint: inference_pb2.StructuredOutput) -> str:
         # A Lark string literal takes JSON's escapes.
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
     raise ConstraintError("structured_output is set but names no constraint")
+
+
+# Where a schema holds subschemas: a map of them, a list of them, or one.
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def closed_objects(schema):
+    """`schema` with every object that names its `properties` and says nothing of others closed to
+    them (`additionalProperties: false`), as vLLM's default grammar engine reads a schema: a random
+    or small model otherwise writes keys nobody asked for and runs out of tokens doing so. A schema
+    that allows other keys says so (`additionalProperties: true` or a schema); an object with no
+    `properties` stays open."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS + _SUBSCHEMAS:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    return out
 
 
 def constraint_size(constraint: inference_pb2.StructuredOutput) -> int:

@@ -183,3 +183,25 @@ def test_contradictory_or_unsupported_tool_and_format_requests_are_400(fields, p
     with pytest.raises(BadRequest) as e:
         chat_request(chat_body(**fields), GatewayConfig())
     assert e.value.param == param
+
+
+def test_an_object_that_names_its_properties_is_closed_to_other_keys(compiler):
+    """As vLLM's default engine reads a schema: keys nobody declared are not written, unless the
+    schema allows them; an object that declares no properties stays open."""
+    import llguidance
+
+    def accepts(schema: dict, text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.tokenizer, compiler.grammar(pb.StructuredOutput(
+            json_schema=json.dumps(schema))))
+        ids = compiler.tokenizer.tokenize_str(text)
+        return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    inner = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "n": inner}, "required": ["a"],
+              "$defs": {"unused": inner}}
+    assert accepts(schema, '{"a": 1}') and accepts(schema, '{"a": 1, "n": {"b": 2}}')
+    assert not accepts(schema, '{"a": 1, "c": 2}') and not accepts(schema, '{"a": 1, "n": {"b": 2, "c": 3}}')
+    assert accepts({**schema, "additionalProperties": True}, '{"a": 1, "c": 2}')
+    assert accepts({**schema, "additionalProperties": {"type": "integer"}}, '{"a": 1, "c": 2}')
+    assert accepts({"type": "object"}, '{"c": 2}')
+    assert "additionalProperties" not in schema and "additionalProperties" not in inner  # the client's, untouched
