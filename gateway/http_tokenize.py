@@ -9,7 +9,7 @@ valid key where keys are on, and a large input is tokenized on the gateway's poo
 """
 from __future__ import annotations
 
-from typing import Annotated, Callable, Union
+from typing import Annotated, Any, Callable, Union
 
 from fastapi import FastAPI
 from pydantic import BaseModel, Discriminator, Field, Tag, create_model
@@ -39,6 +39,7 @@ class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(None, description="The tools the chat template renders.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="More variables the chat template reads.")
     return_token_strs: bool = Field(False, description="Also return each token's piece of the vocabulary.")
 
 
@@ -129,7 +130,7 @@ class TokenizeRoutes:
 
     def _chat_request(self, body: TokenizeChatRequest) -> inference_pb2.GenerateRequest:
         chat = ChatCompletionRequest(model=body.model or "", messages=body.messages, tools=body.tools,
-                                     tool_choice="none")
+                                     tool_choice="none", chat_template_kwargs=body.chat_template_kwargs)
         try:
             request, _ = chat_request(chat, self.limits)
         except BadRequest as e:

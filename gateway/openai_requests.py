@@ -101,7 +101,8 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     request = inference_pb2.GenerateRequest(
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs", MAX_TOP_LOGPROBS), priority=body.priority,
         truncate_prompt_tokens=_truncate(body), session_id=_session(body),
-        tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "")
+        tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "",
+        chat_template_kwargs_json=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "")
     (constraint, constraint_field), tool_calls = _constraint(body), _tool_constraint(body)
     if constraint is not None and tool_calls is not None:
         raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",

@@ -186,6 +186,8 @@ class ChatCompletionRequest(_Constrained):
     modalities: list[Literal["text"]] | None = Field(None, description="only text")
     reasoning_effort: None = Field(None, description="only null: the served models do not reason")
     verbosity: str | None = Field(None, description="taken; the model writes as it writes")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables the chat template reads, "
+                                                         "e.g. {\"enable_thinking\": false} (vLLM's)")
     add_generation_prompt: Literal[True] = True
     continue_final_message: Literal[False] = False
     null_logprobs = _null_takes_default("logprobs")

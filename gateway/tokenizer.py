@@ -148,9 +148,10 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """`messages` as transformers' templates read them (an assistant's `tool_calls` with their
-        arguments as objects, a tool's `tool_call_id`); `tools` in OpenAI's form."""
+        arguments as objects, a tool's `tool_call_id`); `tools` in OpenAI's form; `variables`, more
+        the template may read (none of its own: see TEMPLATE_VARIABLES)."""
         if not self.chat_template:
             raise TokenizerError(f"{self.model_dir}: the tokenizer has no chat template, so chat messages "
                                  f"cannot be rendered; send a plain prompt instead")
@@ -160,16 +161,17 @@ class Tokenizer:
             # A sandbox, as transformers renders them: a template from a model folder reaches no
             # Python internals (attributes starting with _, callables that mutate, ...).
             return _compile(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+                **(variables or {}), messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.special.bos or "", eos_token=self.special.eos or "", pad_token=self.special.pad or "")
         except jinja2.exceptions.SecurityError as e:
             raise TokenizerError(f"{self.model_dir}: the chat template tried what its sandbox forbids: {e}") from None
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{self.model_dir}: the chat template failed to render: {e}") from None
 
-    def encode_chat(self, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], tools: list[dict] | None = None,
+                    variables: dict | None = None) -> list[int]:
         # The template writes any BOS itself, as apply_chat_template(tokenize=True) assumes.
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools, variables=variables), add_special_tokens=False)
 
 
 def _calls_as_content(message: dict) -> dict:
@@ -235,6 +237,8 @@ def _byte_to_unicode() -> dict[int, str]:
 
 _UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# The chat template's own variables, which a request's chat_template_kwargs cannot replace.
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "pad_token"})
 _TEMPLATES: dict[str, jinja2.Template] = {}
 
 

@@ -16,7 +16,7 @@ import grpc
 from gateway.constraints import ConstraintCompiler, ConstraintError, constraint_size
 from gateway.json_nesting import loads
 from gateway.rate_limit import TokenCharge
-from gateway.tokenizer import Tokenizer, TokenizerError
+from gateway.tokenizer import TEMPLATE_VARIABLES, Tokenizer, TokenizerError
 from protos import inference_pb2
 from shared.config import GatewayConfig
 from shared.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -59,7 +59,7 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
         raise _invalid(f"{len(request.messages)} chat messages; the gateway takes at most "
                        f"{limits.max_chat_messages} (gateway.max_chat_messages)")
     if request.messages:
-        num_tools = len(request.tools_json)
+        num_tools = len(request.tools_json) + len(request.chat_template_kwargs_json)
         num_chars = num_tools + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) + len(m.name)
                                     + len(m.tool_call_id) for m in request.messages)
         if num_chars > limits.max_prompt_chars:
@@ -172,8 +172,9 @@ def encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer)
         raise _invalid(f"give exactly one of prompt, prompt_token_ids or messages; got {' and '.join(given)}")
     if not given:
         raise _invalid("the prompt is empty: give a non-empty prompt, prompt_token_ids or messages")
-    if request.tools_json and given[0] != "messages":
-        raise _invalid("tools_json goes with messages (the chat template renders it), not with a plain prompt")
+    for name in ("tools_json", "chat_template_kwargs_json"):
+        if getattr(request, name) and given[0] != "messages":
+            raise _invalid(f"{name} goes with messages (the chat template renders it), not with a plain prompt")
     if given[0] == "prompt":
         ids = tokenizer.encode(request.prompt)
         if not ids:
@@ -181,7 +182,8 @@ def encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer)
         return ids
     messages = [_template_message(i, m) for i, m in enumerate(request.messages)]
     try:
-        ids = tokenizer.encode_chat(messages, tools=_template_tools(request.tools_json))
+        ids = tokenizer.encode_chat(messages, tools=_template_tools(request.tools_json),
+                                    variables=_template_variables(request.chat_template_kwargs_json))
     except TokenizerError as e:
         raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     if not ids:
@@ -226,6 +228,17 @@ def _template_calls(i: int, text: str) -> list[dict]:
         out.append({"id": call.get("id", ""), "type": "function",
                     "function": {"name": function["name"], "arguments": arguments}})
     return out
+
+
+def _template_variables(text: str) -> dict | None:
+    if not text:
+        return None
+    variables = loads(text, "chat_template_kwargs", _invalid)
+    if not isinstance(variables, dict):
+        raise _invalid("chat_template_kwargs must be a JSON object of the variables the chat template reads")
+    if taken := sorted(TEMPLATE_VARIABLES & variables.keys()):
+        raise _invalid(f"chat_template_kwargs cannot set the template's own {', '.join(taken)}")
+    return variables
 
 
 def _template_tools(text: str) -> list[dict] | None:

@@ -139,3 +139,31 @@ def test_a_chat_template_cannot_reach_python_internals(served_checkpoint, tmp_pa
         assert "sandbox forbids" in str(e) or "failed to render" in str(e)
     else:
         assert rendered == ""
+
+
+def test_chat_template_kwargs_reach_the_template_but_not_its_own_variables(served_checkpoint, tmp_path):
+    """vLLM's chat_template_kwargs, as Qwen3's template reads enable_thinking."""
+    import shutil
+
+    from gateway.validation import InvalidRequest, encoded_prompt
+    from protos import inference_pb2 as pb
+    folder = tmp_path / "model"
+    shutil.copytree(served_checkpoint, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    tok = Tokenizer(folder)
+
+    def rendered(**fields) -> str:
+        request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hello")], **fields)
+        return tok.decode(encoded_prompt(request, tok), skip_special_tokens=False)
+
+    assert rendered() == "hello"
+    assert rendered(chat_template_kwargs_json='{"enable_thinking": false}') == "hello<think></think>"
+    for text, named in (('{"messages": []}', "cannot set the template's own messages"),
+                        ('{"bos_token": "x", "tools": []}', "own bos_token, tools"),
+                        ('[1]', "must be a JSON object"), ('{"a": ', "chat_template_kwargs")):
+        with pytest.raises(InvalidRequest, match=named):
+            rendered(chat_template_kwargs_json=text)
+    with pytest.raises(InvalidRequest, match="goes with messages"):
+        encoded_prompt(pb.GenerateRequest(prompt="hi", chat_template_kwargs_json='{"a": 1}'), tok)

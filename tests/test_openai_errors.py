@@ -122,6 +122,9 @@ BAD_BODIES = [
         "type": "function", "function": {"name": "bad2", "parameters": {
             "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}],
         tool_choice={"type": "function", "function": {"name": "bad2"}}), 400, "tools[1].function.parameters cannot"),
+    ("/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), 400,
+     "chat_template_kwargs cannot set the template's own messages"),
+    ("/v1/chat/completions", chat(add_generation_prompt=False), 400, "add_generation_prompt"),
     # A constraint admission refuses is named by the body field it came from, not the gRPC one.
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}), 400, "response_format.json_schema.schema cannot"),

@@ -88,6 +88,8 @@ def test_detokenize_is_transformers_decode_and_inverts_tokenize(http, hf):
      "gateway.max_prompt_chars"),
     ("/tokenize", {"messages": [{"role": "critic", "content": "x"}]}, 400, "messages.0.role"),
     ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "give its tool_call_id"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, 400,
+     "cannot set the template's own tools"),
     ("/tokenize", {"prompt": "a", "temperature": 0}, 400, "temperature"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"model": "other", "prompt": "a"}, 404, "other"),
