@@ -15,10 +15,17 @@ SOURCE = r"""
 
 #include <chrono>
 
-// 64 bytes of floats: one AVX-512 register, two AVX2 ones. kChains of them cover the FMA
-// latency times the FMA ports of any current x86 or Arm core.
+// One vector register's floats where AVX-512 is built (32 registers), else 32 bytes: one AVX2
+// register (16 of them) or two NEON ones. kChains of them cover the FMA latency times the FMA
+// ports of any current core and still fit its registers with b and c: a chain spilled to memory
+// measures the stores, not the FMAs (64-byte vectors on an AVX2 host ran at a fifth of its peak).
+#if defined(__AVX512F__)
 typedef float vec __attribute__((vector_size(64)));
 constexpr int kChains = 16;
+#else
+typedef float vec __attribute__((vector_size(32)));
+constexpr int kChains = 10;
+#endif
 constexpr int kLanes = sizeof(vec) / sizeof(float);
 
 // GFLOP/s of `threads` threads, each doing `iterations` x kChains vector FMAs.
