@@ -40,6 +40,8 @@ class TokenizeChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = Field(None, description="The tools the chat template renders.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="More variables the chat template reads.")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = Field(False, description="Also return each token's piece of the vocabulary.")
 
 
@@ -130,7 +132,9 @@ class TokenizeRoutes:
 
     def _chat_request(self, body: TokenizeChatRequest) -> inference_pb2.GenerateRequest:
         chat = ChatCompletionRequest(model=body.model or "", messages=body.messages, tools=body.tools,
-                                     tool_choice="none", chat_template_kwargs=body.chat_template_kwargs)
+                                     tool_choice="none", chat_template_kwargs=body.chat_template_kwargs,
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message)
         try:
             request, _ = chat_request(chat, self.limits)
         except BadRequest as e:

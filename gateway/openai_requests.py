@@ -102,7 +102,11 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs", MAX_TOP_LOGPROBS), priority=body.priority,
         truncate_prompt_tokens=_truncate(body), session_id=_session(body),
         tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "",
-        chat_template_kwargs_json=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "")
+        chat_template_kwargs_json=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "",
+        omit_generation_prompt=not body.add_generation_prompt, continue_final_message=body.continue_final_message)
+    if body.continue_final_message and body.add_generation_prompt:
+        raise BadRequest("continue_final_message continues the last message, so it takes add_generation_prompt: "
+                         "false (as vLLM's)", "continue_final_message")
     (constraint, constraint_field), tool_calls = _constraint(body), _tool_constraint(body)
     if constraint is not None and tool_calls is not None:
         raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",

@@ -188,8 +188,9 @@ class ChatCompletionRequest(_Constrained):
     verbosity: str | None = Field(None, description="taken; the model writes as it writes")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables the chat template reads, "
                                                          "e.g. {\"enable_thinking\": false} (vLLM's)")
-    add_generation_prompt: Literal[True] = True
-    continue_final_message: Literal[False] = False
+    add_generation_prompt: bool = Field(True, description="the template's opening of the assistant's turn (vLLM's)")
+    continue_final_message: bool = Field(False, description="the output continues the last message, its turn left "
+                                         "open; with add_generation_prompt false (vLLM's)")
     null_logprobs = _null_takes_default("logprobs")
 
 

@@ -168,10 +168,22 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{self.model_dir}: the chat template failed to render: {e}") from None
 
-    def encode_chat(self, messages: Sequence[dict], tools: list[dict] | None = None,
-                    variables: dict | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], tools: list[dict] | None = None, variables: dict | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """`continue_final_message`: the text ends where the last message's content does, its turn
+        left open (what the template writes after it, its end-of-turn, is cut), as transformers'
+        apply_chat_template(continue_final_message=True) does."""
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                tools=tools, variables=variables)
+        if continue_final_message:
+            final = messages[-1]["content"] if messages else ""
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise TokenizerError("continue_final_message needs a last message with text the chat template "
+                                     "writes out")
+            text = text[:end + len(final)]
         # The template writes any BOS itself, as apply_chat_template(tokenize=True) assumes.
-        return self.encode(self.render_chat(messages, tools=tools, variables=variables), add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _calls_as_content(message: dict) -> dict:

@@ -172,7 +172,7 @@ def encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer)
         raise _invalid(f"give exactly one of prompt, prompt_token_ids or messages; got {' and '.join(given)}")
     if not given:
         raise _invalid("the prompt is empty: give a non-empty prompt, prompt_token_ids or messages")
-    for name in ("tools_json", "chat_template_kwargs_json"):
+    for name in ("tools_json", "chat_template_kwargs_json", "omit_generation_prompt", "continue_final_message"):
         if getattr(request, name) and given[0] != "messages":
             raise _invalid(f"{name} goes with messages (the chat template renders it), not with a plain prompt")
     if given[0] == "prompt":
@@ -181,9 +181,13 @@ def encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer)
             raise _invalid("the prompt encodes to no tokens")
         return ids
     messages = [_template_message(i, m) for i, m in enumerate(request.messages)]
+    if request.continue_final_message and not messages[-1]["content"]:
+        raise _invalid("continue_final_message needs a last message with text to continue")
     try:
         ids = tokenizer.encode_chat(messages, tools=_template_tools(request.tools_json),
-                                    variables=_template_variables(request.chat_template_kwargs_json))
+                                    variables=_template_variables(request.chat_template_kwargs_json),
+                                    add_generation_prompt=not request.omit_generation_prompt,
+                                    continue_final_message=request.continue_final_message)
     except TokenizerError as e:
         raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
     if not ids:

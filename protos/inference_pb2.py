@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\x0cinference.v1\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xd6\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12@\n\nlogit_bias\x18\r \x03(\x0b\x32,.inference.v1.SamplingOptions.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x39\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1e.inference.v1.StructuredOutput\x12 \n\x13speculative_ngram_k\x18\x11 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_speculative_ngram_k\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x15.inference.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xaa\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.inference.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.inference.v1.SamplingOptions\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x1e\n\x16truncate_prompt_tokens\x18\x07 \x01(\r\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x12\n\ntools_json\x18\t \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\n \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.inference.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.inference.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.inference.v1.Timing\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.inference.v1.TokenLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.inference.v1.TopLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x19\n\x17GetClusterStatusRequest\"\xbf\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x19\n\x11memory_used_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12memory_limit_bytes\x18\t \x01(\x04\x12\x14\n\x0cmemory_level\x18\n \x01(\t\x12\x1c\n\x14last_heartbeat_age_s\x18\x0b \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x14\n\x0cnum_restarts\x18\r \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0e \x01(\r\x12\x1b\n\x13utilization_percent\x18\x0f \x01(\x01\x12\x0c\n\x04hung\x18\x10 \x01(\x08\x12\x1d\n\x15memory_reserved_bytes\x18\x11 \x01(\x04\x12\x19\n\x11memory_peak_bytes\x18\x12 \x01(\x04\x12\x13\n\x0b\x65xit_reason\x18\x13 \x01(\t\"b\n\rClusterStatus\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.inference.v1.WorkerStatus\x12\x12\n\nnum_queued\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"L\n\x12ProbeWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x65\x65p\x18\x02 \x01(\x08\x12\x15\n\rmemory_report\x18\x03 \x01(\x08\"n\n\x13ProbeWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nlatency_ms\x18\x04 \x01(\x01\x12\x15\n\rmemory_report\x18\x05 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xcd\x02\n\x10InferenceService\x12K\n\x08Generate\x12\x1d.inference.v1.GenerateRequest\x1a\x1e.inference.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.inference.v1.AbortRequest\x1a\x1b.inference.v1.AbortResponse\x12V\n\x10GetClusterStatus\x12%.inference.v1.GetClusterStatusRequest\x1a\x1b.inference.v1.ClusterStatus\x12R\n\x0bProbeWorker\x12 .inference.v1.ProbeWorkerRequest\x1a!.inference.v1.ProbeWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/inference.proto\x12\x0cinference.v1\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xd6\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12@\n\nlogit_bias\x18\r \x03(\x0b\x32,.inference.v1.SamplingOptions.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x12\x39\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1e.inference.v1.StructuredOutput\x12 \n\x13speculative_ngram_k\x18\x11 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_speculative_ngram_k\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x15.inference.v1.ChoicesH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xea\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08messages\x18\x03 \x03(\x0b\x32\x19.inference.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.inference.v1.SamplingOptions\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x1e\n\x16truncate_prompt_tokens\x18\x07 \x01(\r\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x12\n\ntools_json\x18\t \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\n \x01(\t\x12\x1e\n\x16omit_generation_prompt\x18\x0b \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x0c \x01(\x08\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.inference.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.inference.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.inference.v1.Timing\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x11\n\tworker_id\x18\x08 \x01(\t\x12,\n\x08logprobs\x18\t \x03(\x0b\x32\x1a.inference.v1.TokenLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.inference.v1.TopLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x19\n\x17GetClusterStatusRequest\"\xbf\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x19\n\x11memory_used_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12memory_limit_bytes\x18\t \x01(\x04\x12\x14\n\x0cmemory_level\x18\n \x01(\t\x12\x1c\n\x14last_heartbeat_age_s\x18\x0b \x01(\x01\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x14\n\x0cnum_restarts\x18\r \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0e \x01(\r\x12\x1b\n\x13utilization_percent\x18\x0f \x01(\x01\x12\x0c\n\x04hung\x18\x10 \x01(\x08\x12\x1d\n\x15memory_reserved_bytes\x18\x11 \x01(\x04\x12\x19\n\x11memory_peak_bytes\x18\x12 \x01(\x04\x12\x13\n\x0b\x65xit_reason\x18\x13 \x01(\t\"b\n\rClusterStatus\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.inference.v1.WorkerStatus\x12\x12\n\nnum_queued\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"L\n\x12ProbeWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x65\x65p\x18\x02 \x01(\x08\x12\x15\n\rmemory_report\x18\x03 \x01(\x08\"n\n\x13ProbeWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nlatency_ms\x18\x04 \x01(\x01\x12\x15\n\rmemory_report\x18\x05 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xcd\x02\n\x10InferenceService\x12K\n\x08Generate\x12\x1d.inference.v1.GenerateRequest\x1a\x1e.inference.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.inference.v1.AbortRequest\x1a\x1b.inference.v1.AbortResponse\x12V\n\x10GetClusterStatus\x12%.inference.v1.GetClusterStatusRequest\x1a\x1b.inference.v1.ClusterStatus\x12R\n\x0bProbeWorker\x12 .inference.v1.ProbeWorkerRequest\x1a!.inference.v1.ProbeWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2763
-  _globals['_FINISHREASON']._serialized_end=2908
+  _globals['_FINISHREASON']._serialized_start=2827
+  _globals['_FINISHREASON']._serialized_end=2972
   _globals['_CHATMESSAGE']._serialized_start=40
   _globals['_CHATMESSAGE']._serialized_end=145
   _globals['_SAMPLINGOPTIONS']._serialized_start=148
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=1028
   _globals['_CHOICES']._serialized_end=1054
   _globals['_GENERATEREQUEST']._serialized_start=1057
-  _globals['_GENERATEREQUEST']._serialized_end=1355
-  _globals['_USAGE']._serialized_start=1357
-  _globals['_USAGE']._serialized_end=1444
-  _globals['_TIMING']._serialized_start=1446
-  _globals['_TIMING']._serialized_end=1522
-  _globals['_GENERATERESPONSE']._serialized_start=1525
-  _globals['_GENERATERESPONSE']._serialized_end=1801
-  _globals['_TOPLOGPROB']._serialized_start=1803
-  _globals['_TOPLOGPROB']._serialized_end=1850
-  _globals['_TOKENLOGPROB']._serialized_start=1852
-  _globals['_TOKENLOGPROB']._serialized_end=1940
-  _globals['_ABORTREQUEST']._serialized_start=1942
-  _globals['_ABORTREQUEST']._serialized_end=1976
-  _globals['_ABORTRESPONSE']._serialized_start=1978
-  _globals['_ABORTRESPONSE']._serialized_end=1993
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1995
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2020
-  _globals['_WORKERSTATUS']._serialized_start=2023
-  _globals['_WORKERSTATUS']._serialized_end=2470
-  _globals['_CLUSTERSTATUS']._serialized_start=2472
-  _globals['_CLUSTERSTATUS']._serialized_end=2570
-  _globals['_PROBEWORKERREQUEST']._serialized_start=2572
-  _globals['_PROBEWORKERREQUEST']._serialized_end=2648
-  _globals['_PROBEWORKERRESPONSE']._serialized_start=2650
-  _globals['_PROBEWORKERRESPONSE']._serialized_end=2760
-  _globals['_INFERENCESERVICE']._serialized_start=2911
-  _globals['_INFERENCESERVICE']._serialized_end=3244
+  _globals['_GENERATEREQUEST']._serialized_end=1419
+  _globals['_USAGE']._serialized_start=1421
+  _globals['_USAGE']._serialized_end=1508
+  _globals['_TIMING']._serialized_start=1510
+  _globals['_TIMING']._serialized_end=1586
+  _globals['_GENERATERESPONSE']._serialized_start=1589
+  _globals['_GENERATERESPONSE']._serialized_end=1865
+  _globals['_TOPLOGPROB']._serialized_start=1867
+  _globals['_TOPLOGPROB']._serialized_end=1914
+  _globals['_TOKENLOGPROB']._serialized_start=1916
+  _globals['_TOKENLOGPROB']._serialized_end=2004
+  _globals['_ABORTREQUEST']._serialized_start=2006
+  _globals['_ABORTREQUEST']._serialized_end=2040
+  _globals['_ABORTRESPONSE']._serialized_start=2042
+  _globals['_ABORTRESPONSE']._serialized_end=2057
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=2059
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=2084
+  _globals['_WORKERSTATUS']._serialized_start=2087
+  _globals['_WORKERSTATUS']._serialized_end=2534
+  _globals['_CLUSTERSTATUS']._serialized_start=2536
+  _globals['_CLUSTERSTATUS']._serialized_end=2634
+  _globals['_PROBEWORKERREQUEST']._serialized_start=2636
+  _globals['_PROBEWORKERREQUEST']._serialized_end=2712
+  _globals['_PROBEWORKERRESPONSE']._serialized_start=2714
+  _globals['_PROBEWORKERRESPONSE']._serialized_end=2824
+  _globals['_INFERENCESERVICE']._serialized_start=2975
+  _globals['_INFERENCESERVICE']._serialized_end=3308
 # @@protoc_insertion_point(module_scope)

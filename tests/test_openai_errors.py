@@ -124,7 +124,9 @@ BAD_BODIES = [
         tool_choice={"type": "function", "function": {"name": "bad2"}}), 400, "tools[1].function.parameters cannot"),
     ("/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), 400,
      "chat_template_kwargs cannot set the template's own messages"),
-    ("/v1/chat/completions", chat(add_generation_prompt=False), 400, "add_generation_prompt"),
+    ("/v1/chat/completions", chat(continue_final_message=True), 400, "takes add_generation_prompt: false"),
+    ("/v1/chat/completions", chat(continue_final_message=True, add_generation_prompt=False, messages=[
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]), 400, "needs a last message with text"),
     # A constraint admission refuses is named by the body field it came from, not the gRPC one.
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "bogus"}}}), 400, "response_format.json_schema.schema cannot"),

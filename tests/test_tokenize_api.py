@@ -68,6 +68,18 @@ def test_a_chat_tokenizes_as_its_template_renders_it_and_as_a_chat_request_sends
     assert sent["usage"]["prompt_tokens"] == body["count"]
 
 
+def test_a_chat_without_its_generation_prompt_or_continuing_its_last_message_is_transformers(http, hf):
+    messages = [{"role": "user", "content": "Once upon"}, {"role": "assistant", "content": "a time there"}]
+    for flags in ({"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}):
+        body = http.post("/tokenize", json={"messages": messages, **flags}).json()
+        assert body["tokens"] == hf.apply_chat_template(messages, tokenize=True, return_dict=False, **flags), flags
+    sent = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                   "add_generation_prompt": False, "continue_final_message": True,
+                                                   "return_token_ids": True}).json()
+    assert sent["prompt_token_ids"] == body["tokens"]
+    assert hf.decode(body["tokens"]).endswith("a time there")  # its turn left open: no end-of-turn after it
+
+
 def test_detokenize_is_transformers_decode_and_inverts_tokenize(http, hf):
     ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
     r = http.post("/detokenize", json={"model": MODEL, "tokens": ids})
