@@ -17,7 +17,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, create_model
 from gateway.admission import Admission
 from gateway.http_errors import ApiError
 from gateway.offload import OffloadBusyError, should_offload
-from gateway.openai_requests import BadRequest, chat_request
+from gateway.openai_requests import BadRequest, chat_request, named_as_in_body
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, Tool, _Request
 from gateway.tokenizer import Tokenizer
 from gateway.validation import InvalidRequest, check_sizes, encoded_prompt
@@ -98,25 +98,21 @@ class TokenizeRoutes:
     async def tokenize(self, body: TokenizePromptRequest | TokenizeChatRequest) -> dict:
         if body.model is not None:
             self.check_model(body.model)
-        if isinstance(body, TokenizePromptRequest):
-            if len(body.prompt) > self.limits.max_prompt_chars:
-                raise ApiError(400, f"the prompt is {len(body.prompt)} characters; the gateway takes at most "
-                                    f"{self.limits.max_prompt_chars} (gateway.max_prompt_chars)", "prompt")
-            ids = await self._run(should_offload(len(body.prompt), 0), self.tokenizer.encode, body.prompt,
-                                  body.add_special_tokens)
-        else:
-            request = self._chat_request(body)
-            try:
-                num_chars = check_sizes(request, self.limits)
-                ids = await self._run(should_offload(num_chars, len(request.messages)), encoded_prompt, request,
-                                      self.tokenizer)
-            except InvalidRequest as e:
-                raise ApiError.from_code(e.code, e.message.replace("tools_json", "tools")) from None
+        prompt = isinstance(body, TokenizePromptRequest)
+        request = inference_pb2.GenerateRequest(prompt=body.prompt) if prompt else self._chat_request(body)
+        try:
+            num_chars = check_sizes(request, self.limits)
+            large = should_offload(num_chars, len(request.messages))
+            if prompt:  # a completion's encoding, with or without the special tokens
+                ids = await self._run(large, self.tokenizer.encode, body.prompt, body.add_special_tokens)
+            else:
+                ids = await self._run(large, encoded_prompt, request, self.tokenizer)
+        except InvalidRequest as e:
+            raise ApiError.from_code(e.code, named_as_in_body(e.message, "")) from None
         max_model_len = self.admission.max_model_len
         if len(ids) > max_model_len:  # no request could send it: its ids would only cost the loop to answer
-            raise ApiError(400, f"the {'prompt' if isinstance(body, TokenizePromptRequest) else 'chat'} is "
-                                f"{len(ids)} tokens, more than the model's context of {max_model_len}",
-                           "prompt" if isinstance(body, TokenizePromptRequest) else "messages")
+            raise ApiError(400, f"the {'prompt' if prompt else 'chat'} is {len(ids)} tokens, more than the model's "
+                                f"context of {max_model_len}", "prompt" if prompt else "messages")
         answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
         if body.return_token_strs:
             answer["token_strs"] = await self._run(len(ids) > DETOKENIZE_ON_LOOP_MAX, self._pieces, ids)

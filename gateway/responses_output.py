@@ -91,12 +91,13 @@ class ResponsesBuilder:
     def opening(self, choices: list[Choice]) -> list[str]:
         events = [self._event("response.created", response=self._response(None, [])),
                   self._event("response.in_progress", response=self._response(None, []))]
-        if not self.presentation.tool_calls:
-            events += [self._event("response.output_item.added", output_index=0,
-                                   item=self._message(None, "in_progress")),
-                       self._event("response.content_part.added", item_id=self.message_id, output_index=0,
-                                   content_index=0, part=self._part(""))]
-        return events
+        return events + ([] if self.presentation.tool_calls else self._message_begun())
+
+    def _message_begun(self) -> list[str]:
+        """The answer's message item (the only item of a text answer) and its one text part, opened."""
+        return [self._event("response.output_item.added", output_index=0, item=self._message(None, "in_progress")),
+                self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+                            content_index=0, part=self._part(""))]
 
     def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
         events = []
@@ -113,10 +114,7 @@ class ResponsesBuilder:
         for index, item in enumerate(output):
             if item["type"] == "message":
                 if self.presentation.tool_calls:  # calls that did not parse: the text, whole
-                    events += [self._event("response.output_item.added", output_index=index,
-                                           item=self._message(None, "in_progress")),
-                               self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                           content_index=0, part=self._part(""))]
+                    events += self._message_begun()
                     events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
                                               content_index=0, delta=c.text, logprobs=[]))
                 events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
