@@ -29,6 +29,7 @@ from gateway.request_log import refuse_request
 from gateway.request_table import DuplicateRequestError
 from gateway.streams import RequestState
 from gateway.tokenizer import Tokenizer
+from gateway.tool_parsers import parser_for
 from gateway.validation import InvalidRequest, ValidatedRequest, check_request_id, check_sizes, validate
 from protos import inference_pb2
 from shared.config import ClusterConfig
@@ -57,6 +58,8 @@ class Admission:
         self.constraints = ConstraintCompiler(config.model_dir, tokenizer.vocab_size, tokenizer.special.eos_ids)
         self.max_model_len = config.worker.max_model_len or int(
             tokenizer.model_config.get("max_position_embeddings", 2048))
+        # The model's tool-call format, which a chat's tool_choice "auto" is read in (None: refused).
+        self.tool_parser = parser_for(config.gateway.tool_call_parser, tokenizer.chat_template)
         self.draining = False
         self.num_streams = 0  # admitting or streaming, on every front door
         self.streams_idle = asyncio.Event()

@@ -143,15 +143,18 @@ class OpenAiApi:
         return await self._answer(body, request, lambda: completion_requests(body, self.config.gateway), chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        return await self._answer(body, request, lambda: _one(*chat_request(body, self.config.gateway)), chat=True)
+        return await self._answer(body, request, lambda: self._chat(body), chat=True)
 
     async def responses(self, body: ResponsesRequest, request: Request):
         try:
-            return await self._answer(body, request, lambda: _one(*chat_request(chat_of(body), self.config.gateway)),
-                                      chat=True, responses=body)
+            return await self._answer(body, request, lambda: self._chat(chat_of(body)), chat=True, responses=body)
         except ApiError as e:
             e.message, e.param = in_responses_words(e.message), in_responses_words(e.param)
             raise
+
+    def _chat(self, body: ChatCompletionRequest) -> tuple[list[inference_pb2.GenerateRequest], Presentation]:
+        request, presentation = chat_request(body, self.config.gateway, self.admission.tool_parser)
+        return [request], presentation
 
     async def _answer(self, body, request: Request, convert, chat: bool, responses: ResponsesRequest | None = None):
         self._check_model(body.model)
@@ -366,10 +369,6 @@ async def _until_disconnect(http: Request, work, on_gone: Callable[[], None]):
 async def _disconnected(http: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
-
-
-def _one(request: inference_pb2.GenerateRequest, presentation: Presentation):
-    return [request], presentation
 
 
 def _timeout(http: Request, body_timeout: float | None) -> float | None:

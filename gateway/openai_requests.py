@@ -61,6 +61,8 @@ class Presentation:
     # Of tool calls' constraint: each constrained tool's index and parameters schema, checked one
     # by one to name the tool a refusal of the whole comes from (`refused_tool`).
     tool_parameters: tuple[tuple[int, str], ...] = ()
+    # tool_choice "auto": the parser (gateway/tool_parsers.py) that reads calls out of the free text.
+    tool_parser: str = ""
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
@@ -87,8 +89,9 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
     return requests, _presentation(body, body.echo, body.logprobs, limits, constraint_field)
 
 
-def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[inference_pb2.GenerateRequest,
-                                                                              Presentation]:
+def chat_request(body: ChatCompletionRequest, limits: GatewayConfig,
+                 tool_parser: str | None = None) -> tuple[inference_pb2.GenerateRequest, Presentation]:
+    """`tool_parser`: the model's tool-call format, which tool_choice "auto" needs."""
     if not body.messages:
         raise BadRequest("messages must hold at least one message", "messages")
     if body.top_logprobs is not None and not body.logprobs:
@@ -107,7 +110,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
     if body.continue_final_message and body.add_generation_prompt:
         raise BadRequest("continue_final_message continues the last message, so it takes add_generation_prompt: "
                          "false (as vLLM's)", "continue_final_message")
-    (constraint, constraint_field), tool_calls = _constraint(body), _tool_constraint(body)
+    (constraint, constraint_field), tool_calls = _constraint(body), _tool_constraint(body, tool_parser)
     if constraint is not None and tool_calls is not None:
         raise BadRequest("tool calls already constrain the output; drop response_format / structured_outputs",
                          "tool_choice")
@@ -133,6 +136,9 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig) -> tuple[in
         parameters = tuple((i, json.dumps(t.function.parameters or {"type": "object"}))
                            for i, t in enumerate(body.tools) if named in (None, t.function.name))
         presentation = dataclasses.replace(presentation, tool_calls=True, tool_parameters=parameters)
+    elif body.tools and body.tool_choice in (None, "auto") and constraint is None:
+        # A constrained answer (response_format) is that answer: the tools only inform it.
+        presentation = dataclasses.replace(presentation, tool_parser=tool_parser)
     return request, presentation
 
 
@@ -167,9 +173,10 @@ def _constraint(body: _Constrained) -> tuple[inference_pb2.StructuredOutput | No
     return inference_pb2.StructuredOutput(**{kind: getattr(so, kind)}), field
 
 
-def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOutput | None:
+def _tool_constraint(body: ChatCompletionRequest, tool_parser: str | None) -> inference_pb2.StructuredOutput | None:
     """The constraint that makes the output a list of calls to the request's tools, when its
-    tool_choice asks for calls; None when the tools only inform (or there are none)."""
+    tool_choice asks for calls; None when the tools only inform, the model decides (auto), or there
+    are none."""
     if not body.tools:
         if body.tool_choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools", "tool_choice")
@@ -177,13 +184,15 @@ def _tool_constraint(body: ChatCompletionRequest) -> inference_pb2.StructuredOut
     choice = body.tool_choice if body.tool_choice is not None else "auto"
     if choice == "none":
         return None
-    if choice == "auto":
-        raise BadRequest("tool_choice \"auto\" needs a model whose chat template renders tools and a parser of its "
-                         "tool-call format, which this server does not have; use \"required\" or name a function",
-                         "tool_choice")
     names = [t.function.name for t in body.tools]
     if len(set(names)) != len(names):
         raise BadRequest("tools name a function twice", "tools")
+    if choice == "auto":
+        if tool_parser is None:
+            raise BadRequest("tool_choice \"auto\" (the default where tools are given) needs a parser of the model's "
+                             "tool-call format, and this model's chat template teaches none this server reads "
+                             "(gateway.tool_call_parser); use \"required\" or name a function", "tool_choice")
+        return None
     # Each function keeps its index among the tools: its definitions are placed under that name.
     if choice == "required":
         functions = [(i, t.function) for i, t in enumerate(body.tools)]

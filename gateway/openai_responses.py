@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from gateway.openai_requests import Presentation
 from gateway.streams import RequestState, StreamEvent
 from gateway.tokenizer import Tokenizer
+from gateway.tool_parsers import CallReader, Read, call_id, call_reader
 from shared.wire import TokenLogprob
 
 
@@ -75,6 +75,11 @@ class Choice:
         return text, ids, logprobs
 
 
+def _finish(c: Choice, called: bool) -> str | None:
+    """A chat choice's finish reason: an answer that ended by itself with calls ended to call them."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
 def usage(choices: list[Choice], n: int) -> dict:
     """Prompt tokens count once per prompt (its n choices share it), completion tokens per choice."""
     firsts = [c for c in choices if c.index % n == 0]
@@ -124,6 +129,7 @@ class ResponseBuilder:
         self.texts = texts
         self.created = int(time.time())
         self._started: set[int] = set()
+        self._readers: dict[int, CallReader] = {}  # tool_choice "auto": each streamed choice's calls
         self.carries_tokens = presentation.return_token_ids or presentation.logprobs is not None
 
     # ---- whole responses ----------------------------------------------------------------------------
@@ -139,12 +145,11 @@ class ResponseBuilder:
     def _choice(self, c: Choice) -> dict:
         p = self.presentation
         if self.chat:
-            calls = self._tool_calls(c)
-            message = ({"role": "assistant", "content": None, "tool_calls": calls} if calls is not None
-                       else {"role": "assistant", "content": c.text})
+            content, calls = self.answer(c)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             out = {"index": c.index, "message": message,
                    "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
-                   "finish_reason": "tool_calls" if calls is not None else c.finish_reason}
+                   "finish_reason": _finish(c, bool(calls))}
         else:
             out = {"index": c.index, "text": c.prefix + c.text,
                    "logprobs": (completion_logprobs(c.logprobs, self.texts, len(c.prefix))
@@ -173,6 +178,8 @@ class ResponseBuilder:
         """One chunk for what a batch of events added to choice `c` (its finish reason when it ended);
         None while a choice answered as tool calls is still being generated."""
         p = self.presentation
+        if self.chat and p.tool_parser:
+            return self._read_delta(c, text, token_ids, logprobs)
         if self.chat and p.tool_calls:
             if c.finish_reason is None:
                 return None  # the calls leave whole, once they parse
@@ -207,6 +214,55 @@ class ResponseBuilder:
             entry["token_ids"] = token_ids
         return self._chunk(entry, first_of=c)
 
+    def _read_delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
+        """tool_choice "auto", streamed: the text that is certain to be content, and each call once it
+        is whole; the finish, after calls, in a chunk of its own (see delta)."""
+        p = self.presentation
+        before = self._reader(c).calls
+        read = self.read(c, text)
+        delta: dict = {"content": read.content} if read.content else {}
+        if read.calls:
+            delta["tool_calls"] = [{"index": before + k, **call} for k, call in enumerate(read.calls)]
+        finish = None if c.finish_reason is None else _finish(c, self._reader(c).calls > 0)
+        carried = (p.logprobs is not None and logprobs) or (p.return_token_ids and token_ids)
+        if not (delta or finish or carried):
+            return None
+        entry = {"index": c.index, "delta": delta,
+                 "logprobs": chat_logprobs(logprobs, self.texts) if p.logprobs is not None else None,
+                 "finish_reason": None if read.calls else finish}
+        if p.return_token_ids:
+            entry["token_ids"] = token_ids
+        chunk = self._chunk(entry, first_of=c)
+        if read.calls and finish:
+            chunk += self._chunk({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish}, first_of=c)
+        return chunk
+
+    def read(self, c: Choice, text: str) -> Read:
+        """What `text`, the next of choice `c`'s streamed answer, adds to its content and calls."""
+        reader = self._reader(c)
+        read = reader.feed(text)
+        if c.finish_reason is not None:
+            read += reader.finish()
+        return read
+
+    def _reader(self, c: Choice) -> CallReader:
+        reader = self._readers.get(c.index)
+        if reader is None:
+            reader = self._readers[c.index] = call_reader(self.presentation.tool_parser)
+        return reader
+
+    def answer(self, c: Choice) -> tuple[str | None, list[dict] | None]:
+        """A finished chat choice's content and tool calls (content None beside calls where there is
+        no text; calls None where there are none)."""
+        calls = self._tool_calls(c)
+        if calls is not None:
+            return None, calls
+        if self.presentation.tool_parser:
+            read = call_reader(self.presentation.tool_parser).read_all(c.text)
+            if read.calls:
+                return read.content or None, read.calls
+        return c.text, None
+
     def _tool_calls(self, c: Choice) -> list[dict] | None:
         """A finished tool-call choice's calls in OpenAI's form; None when the answer is not tool
         calls or its text did not become a whole list of calls (cut off by max_tokens)."""
@@ -219,7 +275,7 @@ class ResponseBuilder:
         if not isinstance(calls, list) or not all(isinstance(x, dict) and {"name", "arguments"} <= set(x)
                                                   for x in calls):
             return None
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        return [{"id": call_id(), "type": "function",
                  "function": {"name": x["name"], "arguments": json.dumps(x["arguments"], ensure_ascii=False)}}
                 for x in calls]
 

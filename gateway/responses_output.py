@@ -3,8 +3,10 @@ stream as the Responses API's typed events (`event: <type>` then its JSON, each 
 `sequence_number`), in the order OpenAI sends them.
 
 Text streams as `response.output_text.delta` events of one message item. Tool calls leave whole
-once the constrained output parses (as on the chat API): each a `function_call` item, its
-arguments in one delta. A response cut by max_output_tokens is `incomplete`, reason
+at the end: those of `tool_choice` "required" or a named function once the constrained output
+parses, those the model chose (`"auto"`) as its tool-call format reads them (gateway/tool_parsers.py,
+the message then holding only the text around them); each a `function_call` item after the message,
+its arguments in one delta. A response cut by max_output_tokens is `incomplete`, reason
 `max_output_tokens`, and one aborted `cancelled` (streamed, each ends with `response.incomplete`);
 an error mid-stream is an `error` event, after which nothing follows.
 """
@@ -39,11 +41,13 @@ class ResponsesBuilder:
         self.id, self.message_id = request_id, _id("msg")
         self.created = int(time.time())
         self._sequence = 0
+        self._opened = False  # the message item's added events are sent
+        self._text, self._calls = "", []  # tool_choice "auto", streamed: the content and calls read so far
 
     # ---- whole responses ----------------------------------------------------------------------------
     def response(self, choices: list[Choice]) -> dict:
         [c] = choices
-        return self._response(c, self._output(c))
+        return self._response(c, self._output(c, *self.chat.answer(c)))
 
     def _response(self, c: Choice | None, output: list[dict]) -> dict:
         b = self.body
@@ -67,12 +71,11 @@ class ResponsesBuilder:
                              "total_tokens": prompt + output_tokens}
         return body
 
-    def _output(self, c: Choice) -> list[dict]:
-        calls = self.chat._tool_calls(c)
-        if calls is not None:
-            return [self._call_item(call) for call in calls]
-        return [self._message(c.text, "completed" if _STATUS.get(c.finish_reason, "completed") == "completed"
-                              else "incomplete")]
+    def _output(self, c: Choice, content: str | None, calls: list[dict] | None) -> list[dict]:
+        """The message (where there is text, or no call) and then the calls."""
+        status = "completed" if _STATUS.get(c.finish_reason, "completed") == "completed" else "incomplete"
+        message = [self._message(content or "", status)] if content or not calls else []
+        return message + [self._call_item(call) for call in calls or []]
 
     def _message(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [self._part(text)]
@@ -91,17 +94,25 @@ class ResponsesBuilder:
     def opening(self, choices: list[Choice]) -> list[str]:
         events = [self._event("response.created", response=self._response(None, [])),
                   self._event("response.in_progress", response=self._response(None, []))]
-        return events + ([] if self.presentation.tool_calls else self._message_begun())
+        return events + ([] if self.presentation.tool_calls or self.presentation.tool_parser else self._message_begun())
 
     def _message_begun(self) -> list[str]:
         """The answer's message item (the only item of a text answer) and its one text part, opened."""
+        self._opened = True
         return [self._event("response.output_item.added", output_index=0, item=self._message(None, "in_progress")),
                 self._event("response.content_part.added", item_id=self.message_id, output_index=0,
                             content_index=0, part=self._part(""))]
 
     def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
         events = []
+        if self.presentation.tool_parser:
+            read = self.chat.read(c, text)
+            text = read.content
+            self._text += text
+            self._calls += read.calls
         if text and not self.presentation.tool_calls:
+            if not self._opened:
+                events += self._message_begun()
             events.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
                                       content_index=0, delta=text, logprobs=[]))
         if c.finish_reason is not None:
@@ -109,18 +120,23 @@ class ResponsesBuilder:
         return "".join(events) or None
 
     def _ending(self, c: Choice) -> list[str]:
-        output = self._output(c)
+        if self.presentation.tool_parser:
+            output = self._output(c, self._text, self._calls)
+        else:
+            output = self._output(c, *self.chat.answer(c))
         events = []
         for index, item in enumerate(output):
             if item["type"] == "message":
-                if self.presentation.tool_calls:  # calls that did not parse: the text, whole
+                text = item["content"][0]["text"]
+                if not self._opened:  # calls that did not parse: the text, whole (or an empty answer)
                     events += self._message_begun()
-                    events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                              content_index=0, delta=c.text, logprobs=[]))
+                    if text:
+                        events.append(self._event("response.output_text.delta", item_id=item["id"],
+                                                  output_index=index, content_index=0, delta=text, logprobs=[]))
                 events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                       content_index=0, text=c.text, logprobs=[]),
+                                       content_index=0, text=text, logprobs=[]),
                            self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                       content_index=0, part=self._part(c.text))]
+                                       content_index=0, part=self._part(text))]
             else:
                 added = {**item, "arguments": "", "status": "in_progress"}
                 events += [self._event("response.output_item.added", output_index=index, item=added),

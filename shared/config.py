@@ -73,6 +73,9 @@ class GatewayConfig:
     # own metrics_port and worker_endpoint, which must differ. Off: a taken port fails the start.
     reuse_port: bool = False
     served_model_name: str = ""  # the `model` clients name; "" = the model folder's name
+    # How tool_choice "auto" reads calls out of the model's text (gateway/tool_parsers.py): "auto" =
+    # the format the chat template teaches; "hermes", "llama3_json"; "none" = refuse "auto".
+    tool_call_parser: str = "auto"
     max_body_bytes: int = 16 << 20  # an HTTP body beyond this is refused 413 before it is parsed
     # An HTTP body's JSON is parsed on the event loop, at a cost per value (each token id, each
     # logit_bias entry): a body of more values is refused 413 before it is parsed.
@@ -116,27 +119,22 @@ class GatewayConfig:
         _check(0 <= self.http_port < 65536, "gateway.http_port", self.http_port, "in [0, 65535]")
         for name in ("max_body_bytes", "max_n", "max_prompts", "max_body_values", "max_header_bytes",
                      "max_connections", "max_prompt_chars", "max_chat_messages", "max_stop_chars",
-                     "tokenizer_threads", "max_schema_bytes"):
+                     "tokenizer_threads", "max_schema_bytes", "default_max_tokens", "stream_interval",
+                     "max_concurrent_streams"):
             _check(getattr(self, name) >= 1, f"gateway.{name}", getattr(self, name), ">= 1")
-        for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias"):
+        for name in ("read_timeout_s", "restart_backoff_s", "heartbeat_timeout_s", "probe_timeout_s",
+                     "stream_hold_ms"):
+            _check(getattr(self, name) > 0, f"gateway.{name}", getattr(self, name), "> 0")
+        for name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias", "resume_grace_s", "drain_grace_s",
+                     "request_timeout_s"):
             _check(getattr(self, name) >= 0, f"gateway.{name}", getattr(self, name), ">= 0")
-        _check(self.read_timeout_s > 0, "gateway.read_timeout_s", self.read_timeout_s, "> 0")
-        _check(self.resume_grace_s >= 0, "gateway.resume_grace_s", self.resume_grace_s, ">= 0")
-        _check(self.restart_backoff_s > 0, "gateway.restart_backoff_s", self.restart_backoff_s, "> 0")
-        _check(self.heartbeat_timeout_s > 0, "gateway.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
         _check(self.forget_worker_after_s >= self.heartbeat_timeout_s, "gateway.forget_worker_after_s",
                self.forget_worker_after_s, ">= gateway.heartbeat_timeout_s")
-        _check(self.drain_grace_s >= 0, "gateway.drain_grace_s", self.drain_grace_s, ">= 0")
-        _check(self.default_max_tokens >= 1, "gateway.default_max_tokens", self.default_max_tokens, ">= 1")
+        _check(self.tool_call_parser in ("auto", "none", "hermes", "llama3_json"), "gateway.tool_call_parser",
+               self.tool_call_parser, "one of auto, none, hermes, llama3_json")
         _check(self.chat_default_max_tokens >= 0, "gateway.chat_default_max_tokens", self.chat_default_max_tokens,
                ">= 0 (0 = the rest of the context)")
-        _check(self.request_timeout_s >= 0, "gateway.request_timeout_s", self.request_timeout_s, ">= 0")
         _check(0 <= self.metrics_port < 65536, "gateway.metrics_port", self.metrics_port, "in [0, 65535]")
-        _check(self.probe_timeout_s > 0, "gateway.probe_timeout_s", self.probe_timeout_s, "> 0")
-        _check(self.stream_interval >= 1, "gateway.stream_interval", self.stream_interval, ">= 1")
-        _check(self.stream_hold_ms > 0, "gateway.stream_hold_ms", self.stream_hold_ms, "> 0")
-        _check(self.max_concurrent_streams >= 1, "gateway.max_concurrent_streams", self.max_concurrent_streams,
-               ">= 1")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "gateway.tls_cert_file", self.tls_cert_file,
                "set together with gateway.tls_key_file")
         _check(not self.tls_client_ca_file or bool(self.tls_cert_file), "gateway.tls_client_ca_file",

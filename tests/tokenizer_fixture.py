@@ -16,7 +16,7 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(path: str | Path, vocab_size: int = 320) -> Path:
+def make_tokenizer(path: str | Path, vocab_size: int = 320, chat_template: str = CHAT_TEMPLATE) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,6 +27,6 @@ def make_tokenizer(path: str | Path, vocab_size: int = 320) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return Path(path)

@@ -1,0 +1,174 @@
+"""tool_choice "auto" through the real cluster with the official client: the model decides, and the
+calls it writes in its own format (Hermes' <tool_call> tags here) come back as message.tool_calls,
+whole and streamed, on the chat API and the Responses API; text around them is the content, an
+answer without calls is untouched, and the tool loop's next turn reads the result.
+
+The model is bench/copy_checkpoint.py's copying Llama (it repeats its prompt's last PERIOD tokens)
+under a Hermes-style chat template, so each test decides what the model "chooses" to write: the
+last message's text, padded with newlines to fill the period, then the template's end of turn.
+"""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from bench.cluster_process import free_port
+from bench.copy_checkpoint import make_copy_checkpoint
+from cluster_harness import Cluster
+from gateway.openai_requests import chat_request
+from gateway.openai_schema import ChatCompletionRequest
+from gateway.tokenizer import Tokenizer
+from shared.config import GatewayConfig
+from tokenizer_fixture import make_tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+PERIOD = 128
+MODEL = "hermes"
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|system|>You may call these functions: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools> To call one, answer <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.{{ eos_token }}"
+    "{% endif %}{%- for m in messages %}<|{{ m['role'] }}|>{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_copy_checkpoint(tmp_path_factory.mktemp("auto") / MODEL, period=PERIOD, vocab_size=320,
+                                max_position_embeddings=1024)
+    return make_tokenizer(path, vocab_size=320, chat_template=HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    with Cluster(model_dir, num_workers=1, sections={"gateway": {"http_port": free_port()}}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="x", max_retries=0,
+                       timeout=60) as c:
+        yield c
+
+
+def written(tokenizer, messages: list[dict], text: str, tools=(WEATHER,)) -> list[dict]:
+    """`messages` with `text` as the last one's content, padded so that the model writes exactly `text`."""
+    *earlier, last = messages
+    for pad in range(PERIOD):
+        content = "\n" * pad + text
+        ids = tokenizer.encode_chat(earlier + [{**last, "content": content}], tools=list(tools))
+        if tokenizer.decode(ids[-PERIOD:], skip_special_tokens=False) == content + "</s><|assistant|>":
+            return earlier + [{**last, "content": content}]
+    raise AssertionError(f"{text!r} does not fit the period")
+
+
+def ask(tokenizer, text: str, **fields) -> dict:
+    messages = written(tokenizer, [{"role": "user", "content": ""}], text)
+    return {"model": MODEL, "messages": messages, "tools": [WEATHER], "temperature": 0.0, **fields}
+
+
+def streamed(client, body: dict) -> tuple[str | None, list[dict], str]:
+    content, calls, finish = None, {}, None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+            for call in choice.delta.tool_calls or []:
+                calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+                calls[call.index]["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[k] for k in sorted(calls)], finish
+
+
+def test_a_call_the_model_writes_is_answered_as_tool_calls(client, tokenizer):
+    r = client.chat.completions.create(**ask(tokenizer, CALL))
+    [choice] = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+    content, calls, finish = streamed(client, ask(tokenizer, CALL))
+    assert (content, finish) == (None, "tool_calls")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    # The client's stream helper reports the call's arguments done, parsed.
+    with client.chat.completions.stream(**ask(tokenizer, CALL)) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+
+
+def test_text_around_calls_is_the_content_and_text_alone_is_untouched(client, tokenizer):
+    r = client.chat.completions.create(**ask(tokenizer, "Checking.\n" + CALL))
+    message = r.choices[0].message
+    assert message.content.strip("\n") == "Checking." and len(message.tool_calls) == 1
+    assert streamed(client, ask(tokenizer, "Checking.\n" + CALL))[0] == message.content
+
+    text = "The quick brown fox <tool jumps."
+    r = client.chat.completions.create(**ask(tokenizer, text))
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content.strip("\n") == text
+    content, calls, finish = streamed(client, ask(tokenizer, text))
+    assert (content, calls, finish) == (r.choices[0].message.content, [], "stop")
+
+    broken = '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'  # not a call: left as written
+    r = client.chat.completions.create(**ask(tokenizer, broken))
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content.strip("\n") == broken
+
+
+def test_the_tool_loop_sends_the_call_back_and_the_model_reads_the_result(client, tokenizer):
+    first = client.chat.completions.create(**ask(tokenizer, CALL)).choices[0].message
+    history = [{"role": "user", "content": "Weather in Paris?"}, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": ""}]
+    messages = written(tokenizer, history, "Sunny, 21 C.")
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0.0)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.strip("\n") == "Sunny, 21 C."
+
+
+def test_the_responses_api_answers_function_call_items(client, tokenizer):
+    def items(text: str, stream: bool):
+        [message] = written(tokenizer, [{"role": "user", "content": ""}], text)
+        body = dict(model=MODEL, input=message["content"], temperature=0.0,
+                    tools=[{"type": "function", **WEATHER["function"]}])
+        if not stream:
+            return client.responses.create(**body)
+        with client.responses.stream(**body) as s:
+            events = [e.type for e in s]
+            response = s.get_final_response()
+        assert "response.function_call_arguments.done" in events
+        return response
+
+    for stream in (False, True):
+        r = items(CALL, stream)
+        [call] = r.output
+        assert call.type == "function_call" and r.status == "completed"
+        assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+        r = items("On it.\n" + CALL, stream)
+        assert [o.type for o in r.output] == ["message", "function_call"]
+        assert r.output[0].content[0].text.strip("\n") == "On it."
+
+
+def test_auto_is_read_only_where_the_model_decides():
+    def chat(parser, **fields):
+        body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": [WEATHER], **fields})
+        return chat_request(body, GatewayConfig(), parser)
+
+    request, presentation = chat("hermes")
+    assert presentation.tool_parser == "hermes" and not request.sampling.HasField("structured_output")
+    assert chat("hermes", tool_choice="auto")[1].tool_parser == "hermes"
+    # A constrained answer is that answer; "none" and "required" are not read for calls.
+    assert chat("hermes", response_format={"type": "json_object"})[1].tool_parser == ""
+    assert chat("hermes", tool_choice="none")[1].tool_parser == ""
+    assert chat("hermes", tool_choice="required")[1].tool_parser == ""
