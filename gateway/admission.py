@@ -25,6 +25,7 @@ from gateway.dispatcher import Dispatcher
 from gateway.offload import RELEASE_MIN_CHARS, Offload, OffloadBusyError, should_offload
 from gateway.queues import QueueFullError
 from gateway.rate_limit import TokenCharge
+from gateway.reasoning_parser import reads_reasoning
 from gateway.request_log import refuse_request
 from gateway.request_table import DuplicateRequestError
 from gateway.streams import RequestState
@@ -60,6 +61,7 @@ class Admission:
             tokenizer.model_config.get("max_position_embeddings", 2048))
         # The model's tool-call format, which a chat's tool_choice "auto" is read in (None: refused).
         self.tool_parser = parser_for(config.gateway.tool_call_parser, tokenizer.chat_template)
+        self.reasoning = reads_reasoning(config.gateway.reasoning_parser, tokenizer.chat_template)
         self.draining = False
         self.num_streams = 0  # admitting or streaming, on every front door
         self.streams_idle = asyncio.Event()

@@ -153,7 +153,8 @@ class OpenAiApi:
             raise
 
     def _chat(self, body: ChatCompletionRequest) -> tuple[list[inference_pb2.GenerateRequest], Presentation]:
-        request, presentation = chat_request(body, self.config.gateway, self.admission.tool_parser)
+        request, presentation = chat_request(body, self.config.gateway, self.admission.tool_parser,
+                                             self.admission.reasoning)
         return [request], presentation
 
     async def _answer(self, body, request: Request, convert, chat: bool, responses: ResponsesRequest | None = None):

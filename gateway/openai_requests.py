@@ -63,6 +63,7 @@ class Presentation:
     tool_parameters: tuple[tuple[int, str], ...] = ()
     # tool_choice "auto": the parser (gateway/tool_parsers.py) that reads calls out of the free text.
     tool_parser: str = ""
+    reasoning: bool = False  # a reasoning model's thinking is read apart (gateway/reasoning_parser.py)
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
@@ -89,9 +90,11 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
     return requests, _presentation(body, body.echo, body.logprobs, limits, constraint_field)
 
 
-def chat_request(body: ChatCompletionRequest, limits: GatewayConfig,
-                 tool_parser: str | None = None) -> tuple[inference_pb2.GenerateRequest, Presentation]:
-    """`tool_parser`: the model's tool-call format, which tool_choice "auto" needs."""
+def chat_request(body: ChatCompletionRequest, limits: GatewayConfig, tool_parser: str | None = None,
+                 reasoning: bool = False) -> tuple[inference_pb2.GenerateRequest, Presentation]:
+    """`tool_parser`: the model's tool-call format, which tool_choice "auto" needs; `reasoning`: the
+    model's thinking is answered apart (where the output is not constrained: a constrained answer
+    is that answer)."""
     if not body.messages:
         raise BadRequest("messages must hold at least one message", "messages")
     if body.top_logprobs is not None and not body.logprobs:
@@ -129,8 +132,10 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig,
             role="system" if message.role == "developer" else message.role, content=content or "",
             name=message.name or "", tool_call_id=message.tool_call_id or "",
             tool_calls_json=json.dumps([c.model_dump(include=_CALL_FIELDS) for c in message.tool_calls])
-            if message.tool_calls else "")
+            if message.tool_calls else "", reasoning_content=message.reasoning_content or message.reasoning or "")
     presentation = _presentation(body, False, logprobs, limits, "tools" if tool_calls is not None else constraint_field)
+    if reasoning and constraint is None and tool_calls is None:
+        presentation = dataclasses.replace(presentation, reasoning=True)
     if tool_calls is not None:
         named = None if body.tool_choice == "required" else body.tool_choice.function.name
         parameters = tuple((i, json.dumps(t.function.parameters or {"type": "object"}))
@@ -300,7 +305,10 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
         raise BadRequest(f"min_tokens must be in [0, 2**31), got {body.min_tokens}", "min_tokens")
     if not -2**31 <= body.priority < 2**31:
         raise BadRequest(f"priority must be a 32-bit integer, got {body.priority}", "priority")
-    options = inference_pb2.SamplingOptions(ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+    options = inference_pb2.SamplingOptions(ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                            include_stop_str_in_output=body.include_stop_str_in_output)
+    if not body.skip_special_tokens:
+        options.skip_special_tokens = False
     if max_tokens is not None:
         options.max_tokens = min(max_tokens, 2**31 - 1)
     if body.speculative_ngram_k is not None and not 0 <= body.speculative_ngram_k <= MAX_SPECULATIVE_NGRAM_K:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.openai_requests import Presentation
+from gateway.reasoning_parser import ThinkReader, prompt_opens_thinking
 from gateway.streams import RequestState, StreamEvent
 from gateway.tokenizer import Tokenizer
 from gateway.tool_parsers import CallReader, Read, call_id, call_reader
@@ -41,6 +42,10 @@ class TokenTexts:
         if shown is None:
             shown = self._shown[token_id] = self._tokenizer.decode([token_id]) != "" or self(token_id) == ""
         return shown
+
+    def prompt_tail(self, prompt_ids) -> str:
+        """The last characters of a prompt, special tokens written out."""
+        return self._tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
 
     def bytes_of(self, token_id: int) -> list[int]:
         """The token's raw bytes (a part of a character where its text alone is U+FFFD)."""
@@ -130,6 +135,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._started: set[int] = set()
         self._readers: dict[int, CallReader] = {}  # tool_choice "auto": each streamed choice's calls
+        self._thinkers: dict[int, ThinkReader] = {}  # each streamed choice's thinking
         self.carries_tokens = presentation.return_token_ids or presentation.logprobs is not None
 
     # ---- whole responses ----------------------------------------------------------------------------
@@ -145,8 +151,10 @@ class ResponseBuilder:
     def _choice(self, c: Choice) -> dict:
         p = self.presentation
         if self.chat:
-            content, calls = self.answer(c)
+            content, calls, reasoning = self.answer(c)
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            if p.reasoning:  # vLLM's name for it, and its older one (DeepSeek's API's)
+                message["reasoning"] = message["reasoning_content"] = reasoning
             out = {"index": c.index, "message": message,
                    "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
                    "finish_reason": _finish(c, bool(calls))}
@@ -178,7 +186,7 @@ class ResponseBuilder:
         """One chunk for what a batch of events added to choice `c` (its finish reason when it ended);
         None while a choice answered as tool calls is still being generated."""
         p = self.presentation
-        if self.chat and p.tool_parser:
+        if self.chat and (p.tool_parser or p.reasoning):
             return self._read_delta(c, text, token_ids, logprobs)
         if self.chat and p.tool_calls:
             if c.finish_reason is None:
@@ -215,15 +223,17 @@ class ResponseBuilder:
         return self._chunk(entry, first_of=c)
 
     def _read_delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
-        """tool_choice "auto", streamed: the text that is certain to be content, and each call once it
-        is whole; the finish, after calls, in a chunk of its own (see delta)."""
+        """tool_choice "auto" or thinking, streamed: the thinking and the text that are certain, and
+        each call once it is whole; the finish, after calls, in a chunk of its own (see delta)."""
         p = self.presentation
-        before = self._reader(c).calls
+        before = self._reader(c).calls if p.tool_parser else 0
         read = self.read(c, text)
-        delta: dict = {"content": read.content} if read.content else {}
+        delta: dict = {"reasoning": read.reasoning, "reasoning_content": read.reasoning} if read.reasoning else {}
+        if read.content:
+            delta["content"] = read.content
         if read.calls:
             delta["tool_calls"] = [{"index": before + k, **call} for k, call in enumerate(read.calls)]
-        finish = None if c.finish_reason is None else _finish(c, self._reader(c).calls > 0)
+        finish = None if c.finish_reason is None else _finish(c, bool(p.tool_parser) and self._reader(c).calls > 0)
         carried = (p.logprobs is not None and logprobs) or (p.return_token_ids and token_ids)
         if not (delta or finish or carried):
             return None
@@ -238,12 +248,28 @@ class ResponseBuilder:
         return chunk
 
     def read(self, c: Choice, text: str) -> Read:
-        """What `text`, the next of choice `c`'s streamed answer, adds to its content and calls."""
-        reader = self._reader(c)
-        read = reader.feed(text)
-        if c.finish_reason is not None:
-            read += reader.finish()
+        """What `text`, the next of choice `c`'s streamed answer, adds to its thinking, content and calls."""
+        p, done = self.presentation, c.finish_reason is not None
+        reasoning = ""
+        if p.reasoning:
+            thinker = self._thinkers.get(c.index)
+            if thinker is None:
+                thinker = self._thinkers[c.index] = ThinkReader(self._opens_thinking(c))
+            reasoning, text = thinker.feed(text)
+            if done:
+                more_reasoning, more_text = thinker.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        read = Read(text)
+        if p.tool_parser:
+            reader = self._reader(c)
+            read = reader.feed(text)
+            if done:
+                read += reader.finish()
+        read.reasoning = reasoning
         return read
+
+    def _opens_thinking(self, c: Choice) -> bool:
+        return prompt_opens_thinking(self.texts.prompt_tail(c.state.prompt_ids))
 
     def _reader(self, c: Choice) -> CallReader:
         reader = self._readers.get(c.index)
@@ -251,17 +277,21 @@ class ResponseBuilder:
             reader = self._readers[c.index] = call_reader(self.presentation.tool_parser)
         return reader
 
-    def answer(self, c: Choice) -> tuple[str | None, list[dict] | None]:
-        """A finished chat choice's content and tool calls (content None beside calls where there is
-        no text; calls None where there are none)."""
+    def answer(self, c: Choice) -> tuple[str | None, list[dict] | None, str | None]:
+        """A finished chat choice's content, tool calls and thinking (content None beside calls or
+        thinking where there is no text; calls and thinking None where there are none)."""
         calls = self._tool_calls(c)
         if calls is not None:
-            return None, calls
-        if self.presentation.tool_parser:
-            read = call_reader(self.presentation.tool_parser).read_all(c.text)
+            return None, calls, None
+        p, reasoning, text = self.presentation, None, c.text
+        if p.reasoning:
+            reasoning, text = ThinkReader(self._opens_thinking(c)).read_all(c.text)
+            reasoning = reasoning or None
+        if p.tool_parser:
+            read = call_reader(p.tool_parser).read_all(text)
             if read.calls:
-                return read.content or None, read.calls
-        return c.text, None
+                return read.content or None, read.calls, reasoning
+        return (text if text or reasoning is None else None), None, reasoning
 
     def _tool_calls(self, c: Choice) -> list[dict] | None:
         """A finished tool-call choice's calls in OpenAI's form; None when the answer is not tool

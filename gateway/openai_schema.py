@@ -67,10 +67,9 @@ class _Sampling(_Request):
     service_tier: str | None = Field(None, description="taken; there is one tier")
     safety_identifier: str | None = Field(None, description="taken")
     prompt_cache_key: str | None = Field(None, description="the request's session, as `user` (cache-aware routing)")
-    # vLLM's extensions at their defaults (a client that writes every field out); other values are
-    # refused by name, not ignored.
-    skip_special_tokens: Literal[True] = True
-    include_stop_str_in_output: Literal[False] = False
+    skip_special_tokens: bool = Field(True, description="false: special tokens' text is written into the output")
+    include_stop_str_in_output: bool = Field(False, description="the text keeps the stop string, stop token or EOS "
+                                             "that ended it")
     null_n_stream = _null_takes_default("n", "stream")
 
 
@@ -138,6 +137,9 @@ class ChatMessage(_Request):
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
     refusal: str | None = Field(None, description="an assistant's refusal, as OpenAI's messages carry it (its text "
                                 "when content is null)")
+    reasoning: str | None = Field(None, description="an assistant's thinking, as this server answers it; given to "
+                                  "the chat template as reasoning_content")
+    reasoning_content: str | None = Field(None, description="the same by its older name (vLLM's, DeepSeek's)")
     annotations: list | None = Field(None, description="ignored")
     parsed: Any = Field(None, description="ignored (the openai client's parse helpers add it)")
     audio: None = Field(None, description="only null: this server answers no audio")

@@ -38,11 +38,14 @@ class ResponsesBuilder:
                  texts: TokenTexts):
         self.body, self.model, self.presentation = body, model, presentation
         self.chat = ResponseBuilder(request_id, model, True, presentation, texts)  # its tool-call parsing
-        self.id, self.message_id = request_id, _id("msg")
+        self.id, self.message_id, self.reasoning_id = request_id, _id("msg"), _id("rs")
         self.created = int(time.time())
         self._sequence = 0
         self._opened = False  # the message item's added events are sent
-        self._text, self._calls = "", []  # tool_choice "auto", streamed: the content and calls read so far
+        self._message_index = 0  # its output_index: 1 after a reasoning item
+        self._reading = presentation.tool_parser or presentation.reasoning  # the text is read as it streams
+        # Streamed and read: the content, calls and thinking so far (the thinking's item is open).
+        self._text, self._calls, self._reasoning = "", [], None
 
     # ---- whole responses ----------------------------------------------------------------------------
     def response(self, choices: list[Choice]) -> dict:
@@ -71,11 +74,18 @@ class ResponsesBuilder:
                              "total_tokens": prompt + output_tokens}
         return body
 
-    def _output(self, c: Choice, content: str | None, calls: list[dict] | None) -> list[dict]:
-        """The message (where there is text, or no call) and then the calls."""
+    def _output(self, c: Choice, content: str | None, calls: list[dict] | None,
+                reasoning: str | None = None) -> list[dict]:
+        """The thinking (where there is any), the message (where there is text, or no call) and then
+        the calls."""
         status = "completed" if _STATUS.get(c.finish_reason, "completed") == "completed" else "incomplete"
+        thinking = [self._reasoning_item(reasoning, status)] if reasoning else []
         message = [self._message(content or "", status)] if content or not calls else []
-        return message + [self._call_item(call) for call in calls or []]
+        return thinking + message + [self._call_item(call) for call in calls or []]
+
+    def _reasoning_item(self, text: str | None, status: str) -> dict:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
     def _message(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [self._part(text)]
@@ -94,39 +104,52 @@ class ResponsesBuilder:
     def opening(self, choices: list[Choice]) -> list[str]:
         events = [self._event("response.created", response=self._response(None, [])),
                   self._event("response.in_progress", response=self._response(None, []))]
-        return events + ([] if self.presentation.tool_calls or self.presentation.tool_parser else self._message_begun())
+        return events + ([] if self.presentation.tool_calls or self._reading else self._message_begun())
 
     def _message_begun(self) -> list[str]:
         """The answer's message item (the only item of a text answer) and its one text part, opened."""
         self._opened = True
-        return [self._event("response.output_item.added", output_index=0, item=self._message(None, "in_progress")),
-                self._event("response.content_part.added", item_id=self.message_id, output_index=0,
+        self._message_index = 0 if self._reasoning is None else 1
+        return [self._event("response.output_item.added", output_index=self._message_index,
+                            item=self._message(None, "in_progress")),
+                self._event("response.content_part.added", item_id=self.message_id, output_index=self._message_index,
                             content_index=0, part=self._part(""))]
 
     def delta(self, c: Choice, text: str, token_ids: list[int], logprobs: list[TokenLogprob]) -> str | None:
         events = []
-        if self.presentation.tool_parser:
+        if self._reading:
             read = self.chat.read(c, text)
             text = read.content
             self._text += text
             self._calls += read.calls
+            if read.reasoning:
+                if self._reasoning is None:
+                    self._reasoning = ""
+                    events.append(self._event("response.output_item.added", output_index=0,
+                                              item=self._reasoning_item(None, "in_progress")))
+                self._reasoning += read.reasoning
+                events.append(self._event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
+                                          content_index=0, delta=read.reasoning))
         if text and not self.presentation.tool_calls:
             if not self._opened:
                 events += self._message_begun()
-            events.append(self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                      content_index=0, delta=text, logprobs=[]))
+            events.append(self._event("response.output_text.delta", item_id=self.message_id,
+                                      output_index=self._message_index, content_index=0, delta=text, logprobs=[]))
         if c.finish_reason is not None:
             events += self._ending(c)
         return "".join(events) or None
 
     def _ending(self, c: Choice) -> list[str]:
-        if self.presentation.tool_parser:
-            output = self._output(c, self._text, self._calls)
+        if self._reading:
+            output = self._output(c, self._text, self._calls, self._reasoning)
         else:
             output = self._output(c, *self.chat.answer(c))
         events = []
         for index, item in enumerate(output):
-            if item["type"] == "message":
+            if item["type"] == "reasoning":
+                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=self._reasoning))
+            elif item["type"] == "message":
                 text = item["content"][0]["text"]
                 if not self._opened:  # calls that did not parse: the text, whole (or an empty answer)
                     events += self._message_begun()

@@ -2,11 +2,12 @@
 chat request it amounts to, so a response is generated, checked and bounded exactly as a chat is.
 
 `input` is a text (one user message) or a list of items: messages (text parts only), a model's
-earlier `function_call`s and the `function_call_output`s that answer them; `instructions` is a
-system message before them. Function tools, `tool_choice`, `text.format` (text, json_object,
+earlier `function_call`s and the `function_call_output`s that answer them, and its earlier
+thinking (`reasoning` items, given to the chat template as the next assistant turn's
+`reasoning_content`); `instructions` is a system message before them. Function tools, `tool_choice`, `text.format` (text, json_object,
 json_schema) and the sampling fields map one to one. What needs state this server does not keep
 (`previous_response_id`, `conversation`, `background`) and tools or inputs it cannot serve (built-in
-tools, images, files, reasoning) are refused 400 naming the field, never silently ignored.
+tools, images, files, reasoning effort) are refused 400 naming the field, never silently ignored.
 """
 from __future__ import annotations
 
@@ -52,6 +53,18 @@ class FunctionCallOutputItem(_Item):
     output: str
 
 
+class ReasoningText(_Request):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Item):
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = Field(None, description="only null: this server encrypts no thinking")
+
+
 class FunctionTool(_Request):
     type: Literal["function"]
     name: str = Field(pattern=FUNCTION_NAME_PATTERN)
@@ -87,7 +100,7 @@ class ReasoningOptions(_Request):
 
 class ResponsesRequest(_Request):
     model: str
-    input: Union[str, list[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]]]
+    input: Union[str, list[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]]]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -137,7 +150,11 @@ def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
                ensure_ascii=False).encode()
     messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    thinking = None  # a reasoning item's text, for the assistant turn it preceded
     for item in items:
+        if isinstance(item, ReasoningItem):
+            thinking = "\n".join(p.text for p in (item.content or item.summary))
+            continue
         if isinstance(item, MessageItem):
             content = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
             messages.append({"role": item.role, "content": content})
@@ -151,6 +168,9 @@ def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if thinking is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = thinking
+        thinking = None
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream, "user": body.user,
                               "prompt_cache_key": body.prompt_cache_key,
                               "temperature": body.temperature, "top_p": body.top_p, "timeout": body.timeout,

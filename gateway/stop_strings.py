@@ -12,17 +12,18 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], keep_stop: bool = False):
         self.stops = stops
+        self.keep_stop = keep_stop  # the text ends after the stop string (vLLM's include_stop_str_in_output)
         self._held = ""  # the stream's last characters: they may begin a stop string
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string matched). On a match the text ends where the
-        first completed stop string begins, and the matcher is done."""
+        first completed stop string begins (or, keeping it, ends), and the matcher is done."""
         if not self.stops:
             return text, False
         window = self._held + text
-        cut = first_stop(window, self.stops)
+        cut = first_stop(window, self.stops, self.keep_stop)
         if cut is not None:
             self._held = ""
             return window[:cut], True
@@ -49,8 +50,8 @@ class StopMatcher:
         return start
 
 
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+def first_stop(text: str, stops: tuple[str, ...], end: bool = False) -> int | None:
     """Where the first stop string completed in `text` begins (the earliest end; at equal ends the
-    earliest start), or None."""
+    earliest start), or with `end` where it ends; None where none is."""
     matches = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return min(matches)[1] if matches else None
+    return min(matches)[0 if end else 1] if matches else None

@@ -85,8 +85,13 @@ class RequestState:
         self._held = StreamEvent()  # tokens waiting for stream_interval
         self._hold_timer: asyncio.TimerHandle | None = None
         self._emitted = False
-        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-        self._stops = StopMatcher(self.params.stop)
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params.skip_special_tokens)
+        self._stops = StopMatcher(self.params.stop, self.params.include_stop_str_in_output)
+        # The ids whose token ends the output where it is generated: its text is not the output's
+        # (vLLM's rule), unless include_stop_str_in_output.
+        p = self.params
+        eos = () if p.ignore_eos or self.tokenizer is None else self.tokenizer.special.eos_ids
+        self._ending_ids = frozenset() if p.include_stop_str_in_output else frozenset((*p.stop_token_ids, *eos))
 
     @property
     def is_finished(self) -> bool:
@@ -123,7 +128,8 @@ class RequestState:
 
     def _take(self, token_ids: list[int], logprobs: list[TokenLogprob] | None, now_s: float) -> bool:
         self.output_ids.extend(token_ids)
-        text, stopped = self._detok.push(token_ids), False
+        shown = token_ids[:-1] if token_ids[-1] in self._ending_ids else token_ids
+        text, stopped = self._detok.push(shown), False
         if len(self.output_ids) >= self.params.min_tokens:
             # Stop strings, like EOS, count from the min_tokens-th token on (vLLM's rule).
             text, stopped = self._stops.push(text)

@@ -207,17 +207,17 @@ class IncrementalDetokenizer:
     """
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-self.CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def push(self, new_ids: Sequence[int]) -> str:
         self._ids.extend(new_ids)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset])
-        text = decode(self._ids[self._prefix_offset:])
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        text = self._tokenizer.decode(self._ids[self._prefix_offset:], self._skip)
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             return text[len(prefix_text):]
@@ -225,8 +225,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a stream: whatever is held back, even an incomplete character."""
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        text = self._tokenizer.decode(self._ids[self._prefix_offset:], self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)
         return text[len(prefix_text):] if len(text) > len(prefix_text) else ""
 

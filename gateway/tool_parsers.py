@@ -50,10 +50,12 @@ def call_reader(parser: str) -> CallReader:
 class Read:
     content: str = ""
     calls: list[dict] = field(default_factory=list)
+    reasoning: str = ""  # where a reasoning model's thinking is read too (gateway/reasoning_parser.py)
 
     def __iadd__(self, other: Read) -> Read:
         self.content += other.content
         self.calls += other.calls
+        self.reasoning += other.reasoning
         return self
 
 
@@ -102,7 +104,7 @@ class HermesReader(CallReader):
                 self._pending, self._in_call = self._pending[start + len(_OPEN):], True
                 continue
             # Hold back what may yet become a tag, and whitespace that may only lead up to a call.
-            held = _tag_prefix_len(self._pending, _OPEN)
+            held = tag_prefix_len(self._pending, _OPEN)
             ready = self._pending[:len(self._pending) - held]
             shown = ready.rstrip()
             read.content += shown
@@ -210,7 +212,7 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _tag_prefix_len(text: str, tag: str) -> int:
+def tag_prefix_len(text: str, tag: str) -> int:
     """How long an end of `text` is that could be the start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

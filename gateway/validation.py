@@ -61,7 +61,7 @@ def check_sizes(request: inference_pb2.GenerateRequest, limits: GatewayConfig) -
     if request.messages:
         num_tools = len(request.tools_json) + len(request.chat_template_kwargs_json)
         num_chars = num_tools + sum(len(m.content) + len(m.role) + len(m.tool_calls_json) + len(m.name)
-                                    + len(m.tool_call_id) for m in request.messages)
+                                    + len(m.tool_call_id) + len(m.reasoning_content) for m in request.messages)
         if num_chars > limits.max_prompt_chars:
             # Named by the larger part first: the field the client would shorten.
             what = ("messages are" if not num_tools else "tools_json and messages are" if 2 * num_tools > num_chars
@@ -203,6 +203,10 @@ def _template_message(i: int, m: inference_pb2.ChatMessage) -> dict:
     message = {"role": m.role, "content": m.content}
     if m.name:
         message["name"] = m.name
+    if m.reasoning_content:
+        if m.role != "assistant":
+            raise _invalid(f"messages[{i}].reasoning_content: only an assistant message has thinking")
+        message["reasoning_content"] = m.reasoning_content
     if m.role == "tool":
         if not m.tool_call_id:
             raise _invalid(f"messages[{i}] is a tool result: give its tool_call_id, the id of the call it answers")
@@ -279,7 +283,8 @@ def _sampling(options: inference_pb2.SamplingOptions, default_max_tokens: int, v
     if bad:
         raise _invalid(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     fields.update(stop=tuple(options.stop), stop_token_ids=tuple(options.stop_token_ids),
-                  ignore_eos=options.ignore_eos)
+                  ignore_eos=options.ignore_eos, include_stop_str_in_output=options.include_stop_str_in_output,
+                  skip_special_tokens=not options.HasField("skip_special_tokens") or options.skip_special_tokens)
     try:
         return SamplingParams(**fields)
     except ValueError as e:

@@ -62,6 +62,10 @@ class SamplingParams:
     seed: int | None = None  # per-request seed, 0 <= seed < 2**63
     stop_token_ids: tuple[int, ...] = ()  # lists accepted and converted to tuple
     stop: tuple[str, ...] = ()  # applied by the gateway's detokenizer; carried here only
+    # The gateway's too: the text keeps what ended it (stop string, stop token, EOS), and special
+    # tokens' text is written out (vLLM's include_stop_str_in_output, skip_special_tokens).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
     # OpenAI semantics over the GENERATED tokens only (not the prompt), resumed ones included:
@@ -130,7 +134,7 @@ class SamplingParams:
         put("stop_token_ids", self._normalise_stop_token_ids(self.stop_token_ids))
         put("stop", self._normalise_stop(self.stop))
 
-        for name in ("ignore_eos", "logprobs"):
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             # Strict: 0/1 or "false" from a JSON body would otherwise be silently truthy/falsy.
             if not isinstance(value, bool):

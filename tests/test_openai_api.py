@@ -183,6 +183,40 @@ def test_stop_strings_and_echo(client, tokenizer):
     assert echoed_ids.text.startswith(tokenizer.decode(tokenizer.encode("Hello")))
 
 
+def test_what_ended_the_text_is_left_out_unless_asked_for_as_vllm_does(client, tokenizer):
+    """vLLM's include_stop_str_in_output and skip_special_tokens: a stop string, a stop token and EOS
+    end the text before them unless it keeps them; special tokens' text is written out on request."""
+    def text(stream: bool = False, **fields) -> tuple[str, list[int]]:
+        extra = {"ignore_eos": True, "return_token_ids": True, **fields.pop("extra", {})}
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 30, "temperature": 0, "extra_body": extra, **fields}
+        if stream:
+            chunks = list(client.completions.create(**body, stream=True))
+            return "".join(c.choices[0].text for c in chunks), [t for c in chunks for t in c.choices[0].token_ids]
+        choice = client.completions.create(**body).choices[0]
+        return choice.text, choice.token_ids
+
+    base, base_ids = text()
+    stop = base[5:8]
+    keep = {"include_stop_str_in_output": True}
+    for stream in (False, True):
+        assert text(stream, stop=[stop], extra=keep)[0] == base[:base.index(stop) + len(stop)]
+    # A stop token that is ordinary text: its id is in the output, its text only where kept.
+    k = next(i for i in range(3, len(base_ids)) if base_ids[i] not in base_ids[:i])
+    token = base_ids[k]
+    for stream in (False, True):
+        assert text(stream, extra={"stop_token_ids": [token]}) == (tokenizer.decode(base_ids[:k]), base_ids[:k + 1])
+        assert text(stream, extra={"stop_token_ids": [token], **keep})[0] == tokenizer.decode(base_ids[:k + 1])
+    # EOS pushed to the top: its text is "" unless special tokens are written out, and then only
+    # where it does not end the output or is kept.
+    eos = tokenizer.special.eos_ids[0]
+    forced = {"logit_bias": {str(eos): 100}, "max_tokens": 3}
+    assert text(**forced)[0] == ""
+    assert text(**forced, extra={"skip_special_tokens": False})[0] == "</s>" * 3
+    ended = {"ignore_eos": False, "skip_special_tokens": False}
+    assert text(**forced, extra=ended) == ("", [eos])
+    assert text(True, **forced, extra={**ended, **keep}) == ("</s>", [eos])
+
+
 def test_sampling_extensions_reach_the_worker(client, engine, tokenizer):
     ids = tokenizer.encode("Hello")
     eos = tokenizer.special.eos_ids[0]

@@ -125,11 +125,6 @@ def test_what_openai_clients_send_by_default_is_taken(client):
                                           prompt_cache_key="conversation-7", service_tier="auto",
                                           extra_body={"skip_special_tokens": True, "add_generation_prompt": True})
     assert r.usage.input_tokens == chat.usage.prompt_tokens  # text parts joined as a chat joins them
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, max_completion_tokens=2,
-                                       messages=[{"role": "user", "content": "x"}],
-                                       extra_body={"include_stop_str_in_output": True})
-    assert "include_stop_str_in_output" in refused.value.message
 
 
 def test_an_aborted_response_is_cancelled_not_completed(client, cluster):

@@ -1,16 +1,19 @@
-"""tool_choice "auto" through the real cluster with the official client: the model decides, and the
-calls it writes in its own format (Hermes' <tool_call> tags here) come back as message.tool_calls,
-whole and streamed, on the chat API and the Responses API; text around them is the content, an
-answer without calls is untouched, and the tool loop's next turn reads the result.
+"""What a model decides, read out of its text, through the real cluster with the official client:
+tool_choice "auto" (the calls it writes in its own format, Hermes' <tool_call> tags here, come
+back as tool_calls, whole and streamed, on the chat and Responses APIs; text around them is the
+content, an answer without calls is untouched, the tool loop's next turn reads the result), and a
+reasoning model's thinking (<think>...</think>) answered apart as `reasoning`.
 
 The model is bench/copy_checkpoint.py's copying Llama (it repeats its prompt's last PERIOD tokens)
-under a Hermes-style chat template, so each test decides what the model "chooses" to write: the
-last message's text, padded with newlines to fill the period, then the template's end of turn.
+under a Qwen3-style chat template (tools, <tool_call>, </think>), so each test decides what the
+model "chooses" to write: the last message's text, padded with newlines to fill the period, then
+the template's end of turn.
 """
 from __future__ import annotations
 
 import json
 
+import httpx2 as httpx
 import openai
 import pytest
 
@@ -29,7 +32,9 @@ MODEL = "hermes"
 HERMES_TEMPLATE = (
     "{%- if tools %}<|system|>You may call these functions: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
     "</tools> To call one, answer <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.{{ eos_token }}"
-    "{% endif %}{%- for m in messages %}<|{{ m['role'] }}|>{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{% endif %}{%- for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m['reasoning_content'] %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
     "<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
     "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -172,3 +177,56 @@ def test_auto_is_read_only_where_the_model_decides():
     assert chat("hermes", response_format={"type": "json_object"})[1].tool_parser == ""
     assert chat("hermes", tool_choice="none")[1].tool_parser == ""
     assert chat("hermes", tool_choice="required")[1].tool_parser == ""
+
+
+THOUGHT = "<think>The user wants Paris.</think>\n\n"
+
+
+def test_thinking_is_answered_apart_as_reasoning(client, tokenizer):
+    r = client.chat.completions.create(**ask(tokenizer, THOUGHT + "It is sunny."))
+    message = r.choices[0].message
+    assert message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+    assert message.reasoning == message.reasoning_content == "The user wants Paris."
+    # Thinking, then a call: each where it belongs.
+    r = client.chat.completions.create(**ask(tokenizer, THOUGHT + CALL))
+    message = r.choices[0].message
+    assert (message.content, message.reasoning, r.choices[0].finish_reason) == (
+        None, "The user wants Paris.", "tool_calls")
+    assert message.tool_calls[0].function.name == "get_weather"
+
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(**ask(tokenizer, THOUGHT + "It is sunny."), stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == ("The user wants Paris.", "It is sunny.")
+
+    # A constrained answer is that answer: nothing of it is read as thinking.
+    r = client.chat.completions.create(**ask(tokenizer, THOUGHT + "x", response_format={"type": "json_object"},
+                                             max_tokens=4))
+    assert getattr(r.choices[0].message, "reasoning", None) is None
+
+
+def test_thinking_goes_back_to_the_template_and_out_as_a_responses_item(client, tokenizer, cluster):
+    rendered = httpx.post(f"http://127.0.0.1:{cluster.http_port}/tokenize", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather?"},
+                                     {"role": "assistant", "content": "Sunny.", "reasoning": "Easy."}]}).json()
+    assert "<|assistant|><think>Easy.</think>Sunny." in tokenizer.decode(rendered["tokens"], skip_special_tokens=False)
+
+    [message] = written(tokenizer, [{"role": "user", "content": ""}], THOUGHT + "On it.\n" + CALL)
+    body = dict(model=MODEL, input=message["content"], temperature=0.0,
+                tools=[{"type": "function", **WEATHER["function"]}])
+    whole = client.responses.create(**body)
+    with client.responses.stream(**body) as s:
+        events = [e.type for e in s]
+        streamed = s.get_final_response()
+    assert "response.reasoning_text.delta" in events
+    for r in (whole, streamed):
+        assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+        assert r.output[0].content[0].text == "The user wants Paris."
+        assert r.output[1].content[0].text == "On it."
+    # The next turn sends the items back, thinking included: taken, and given to the template.
+    follow = client.responses.create(model=MODEL, temperature=0.0, max_output_tokens=2, input=[
+        {"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in whole.output],
+        {"type": "function_call_output", "call_id": whole.output[2].call_id, "output": "sunny"}])
+    assert follow.status in ("completed", "incomplete")
