@@ -63,6 +63,7 @@ class Presentation:
     tool_parameters: tuple[tuple[int, str], ...] = ()
     # tool_choice "auto": the parser (gateway/tool_parsers.py) that reads calls out of the free text.
     tool_parser: str = ""
+    max_calls: int | None = None  # of those: parallel_tool_calls false answers the first call only
     reasoning: bool = False  # a reasoning model's thinking is read apart (gateway/reasoning_parser.py)
 
 
@@ -143,7 +144,10 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig, tool_parser
         presentation = dataclasses.replace(presentation, tool_calls=True, tool_parameters=parameters)
     elif body.tools and body.tool_choice in (None, "auto") and constraint is None:
         # A constrained answer (response_format) is that answer: the tools only inform it.
-        presentation = dataclasses.replace(presentation, tool_parser=tool_parser)
+        presentation = dataclasses.replace(presentation, tool_parser=tool_parser,
+                                           max_calls=1 if body.parallel_tool_calls is False else None)
+        if tool_parser == "hermes":  # its tags may be special tokens (Hermes 2 Pro's): kept in the text
+            request.sampling.skip_special_tokens = False
     return request, presentation
 
 

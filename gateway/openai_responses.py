@@ -262,9 +262,12 @@ class ResponseBuilder:
         read = Read(text)
         if p.tool_parser:
             reader = self._reader(c)
+            before = reader.calls
             read = reader.feed(text)
             if done:
                 read += reader.finish()
+            if p.max_calls is not None:
+                read.calls = read.calls[:max(0, p.max_calls - before)]
         read.reasoning = reasoning
         return read
 
@@ -290,7 +293,7 @@ class ResponseBuilder:
         if p.tool_parser:
             read = call_reader(p.tool_parser).read_all(text)
             if read.calls:
-                return read.content or None, read.calls, reasoning
+                return read.content or None, read.calls[:p.max_calls], reasoning
         return (text if text or reasoning is None else None), None, reasoning
 
     def _tool_calls(self, c: Choice) -> list[dict] | None:

@@ -46,6 +46,7 @@ class ResponsesBuilder:
         self._reading = presentation.tool_parser or presentation.reasoning  # the text is read as it streams
         # Streamed and read: the content, calls and thinking so far (the thinking's item is open).
         self._text, self._calls, self._reasoning = "", [], None
+        self._thinking_open = False  # the reasoning item is added and not yet done
 
     # ---- whole responses ----------------------------------------------------------------------------
     def response(self, choices: list[Choice]) -> dict:
@@ -79,7 +80,9 @@ class ResponsesBuilder:
         """The thinking (where there is any), the message (where there is text, or no call) and then
         the calls."""
         status = "completed" if _STATUS.get(c.finish_reason, "completed") == "completed" else "incomplete"
-        thinking = [self._reasoning_item(reasoning, status)] if reasoning else []
+        # Thinking that an answer followed was complete, whatever cut the answer.
+        thinking = ([self._reasoning_item(reasoning, "completed" if content or calls else status)] if reasoning
+                    else [])
         message = [self._message(content or "", status)] if content or not calls else []
         return thinking + message + [self._call_item(call) for call in calls or []]
 
@@ -124,12 +127,16 @@ class ResponsesBuilder:
             self._calls += read.calls
             if read.reasoning:
                 if self._reasoning is None:
-                    self._reasoning = ""
-                    events.append(self._event("response.output_item.added", output_index=0,
-                                              item=self._reasoning_item(None, "in_progress")))
+                    self._reasoning, self._thinking_open = "", True
+                    events += [self._event("response.output_item.added", output_index=0,
+                                           item=self._reasoning_item(None, "in_progress")),
+                               self._event("response.content_part.added", item_id=self.reasoning_id, output_index=0,
+                                           content_index=0, part={"type": "reasoning_text", "text": ""})]
                 self._reasoning += read.reasoning
                 events.append(self._event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0,
                                           content_index=0, delta=read.reasoning))
+            if self._thinking_open and (text or self._calls):  # the answer began: the thinking is done
+                events += self._thinking_done(self._reasoning_item(self._reasoning, "completed"))
         if text and not self.presentation.tool_calls:
             if not self._opened:
                 events += self._message_begun()
@@ -147,9 +154,10 @@ class ResponsesBuilder:
         events = []
         for index, item in enumerate(output):
             if item["type"] == "reasoning":
-                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=self._reasoning))
-            elif item["type"] == "message":
+                if self._thinking_open:
+                    events += self._thinking_done(item)
+                continue
+            if item["type"] == "message":
                 text = item["content"][0]["text"]
                 if not self._opened:  # calls that did not parse: the text, whole (or an empty answer)
                     events += self._message_begun()
@@ -171,6 +179,15 @@ class ResponsesBuilder:
         response = self._response(c, output)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return events + [self._event(kind, response=response)]
+
+    def _thinking_done(self, item: dict) -> list[str]:
+        """The reasoning item's end: its text, its one part and the item, done (it is output 0)."""
+        self._thinking_open = False
+        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=0, content_index=0,
+                            text=self._reasoning),
+                self._event("response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+                            part=item["content"][0]),
+                self._event("response.output_item.done", output_index=0, item=item)]
 
     def closing(self, choices: list[Choice]) -> list[str]:
         return []  # the completed (or incomplete) event ended the stream: there is no [DONE]

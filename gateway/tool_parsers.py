@@ -4,9 +4,11 @@ decides to call a function, read back as OpenAI's `tool_calls`, whole or as it s
 Two formats, the ones open models are trained on:
 - `hermes`: each call a JSON object `{"name", "arguments"}` between `<tool_call>` and
   `</tool_call>`, with text before or between calls (the templates of Qwen2.5, Qwen3, Hermes and
-  SmolLM3 teach it). Text outside the tags is the answer's content; whitespace that only separates
-  the calls is not. A call cut off before its closing tag still counts where its JSON is whole (a
-  model that ends its turn there), and one that does not parse stays in the content as written.
+  SmolLM3 teach it). Text outside the tags is the answer's content (text after a call on a line of
+  its own); whitespace that only separates the calls is not. The tags may be special tokens
+  (Hermes 2 Pro's), so such answers are decoded with special tokens written out. A call cut off
+  before its closing tag still counts where its JSON is whole (a model that ends its turn there),
+  and one that does not parse stays in the content as written.
 - `llama3_json`: an answer that is nothing but JSON objects `{"name", "parameters"}` (Llama 3.1+,
   optionally after `<|python_tag|>`, several separated by `;`). An answer that starts otherwise
   is text; one that starts as JSON is held until it ends, then read as calls or, failing that,
@@ -79,7 +81,10 @@ class HermesReader(CallReader):
     def __init__(self):
         self._pending = ""  # text not yet given out: a call's body, or what may start a tag
         self._in_call = False
+        self._searched = 0  # how far into a call's body the closing tag was looked for
         self._gap = ""  # whitespace dropped before the current call, given back if it fails to parse
+        self._after_call = False  # whitespace here only separates calls
+        self._shown = False  # content was given out: text after a call starts on a new line
         self.calls = 0
 
     def feed(self, text: str) -> Read:
@@ -87,46 +92,58 @@ class HermesReader(CallReader):
         read = Read()
         while True:
             if self._in_call:
-                end = self._pending.find(_CLOSE)
+                end = self._pending.find(_CLOSE, max(0, self._searched - len(_CLOSE) + 1))
                 if end < 0:
+                    self._searched = len(self._pending)
                     return read
                 body, self._pending = self._pending[:end], self._pending[end + len(_CLOSE):]
                 self._in_call = False
                 self._end_call(body, _CLOSE, read)
                 continue
-            if self.calls:  # whitespace after a call only separates it from the next
+            if self._after_call:
                 self._pending = self._pending.lstrip()
+                if not self._pending:
+                    return read
+                self._after_call = False
+                if self._shown and not self._pending.startswith(_OPEN):
+                    self._pending = "\n" + self._pending
             start = self._pending.find(_OPEN)
             if start >= 0:
                 before = self._pending[:start]
-                read.content += before.rstrip()
+                self._show(before.rstrip(), read)
                 self._gap = before[len(before.rstrip()):]
-                self._pending, self._in_call = self._pending[start + len(_OPEN):], True
+                self._pending, self._in_call, self._searched = self._pending[start + len(_OPEN):], True, 0
                 continue
             # Hold back what may yet become a tag, and whitespace that may only lead up to a call.
             held = tag_prefix_len(self._pending, _OPEN)
             ready = self._pending[:len(self._pending) - held]
             shown = ready.rstrip()
-            read.content += shown
+            self._show(shown, read)
             self._pending = self._pending[len(shown):]
             return read
+
+    def _show(self, text: str, read: Read) -> None:
+        if text:
+            read.content += text
+            self._shown = True
 
     def finish(self) -> Read:
         read = Read()
         if self._in_call:
             self._end_call(self._pending, "", read)
         elif not (self.calls and not self._pending.strip()):
-            read.content += self._pending
+            self._show(self._pending, read)
         self._pending, self._in_call = "", False
         return read
 
     def _end_call(self, body: str, closing: str, read: Read) -> None:
         call = _call(body, "arguments")
         if call is None:
-            read.content += self._gap + _OPEN + body + closing
+            self._show(self._gap + _OPEN + body + closing, read)
         else:
             read.calls.append(call)
             self.calls += 1
+            self._after_call = True
         self._gap = ""
 
 

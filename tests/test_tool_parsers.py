@@ -40,6 +40,14 @@ def test_hermes_reads_calls_and_the_text_around_them():
     assert len({c["id"] for c in read.calls}) == 2
 
 
+def test_hermes_text_after_a_call_keeps_its_spaces_and_starts_a_line():
+    text = f"Hello there <tool_call>{WEATHER}</tool_call> and then some text"
+    assert whole("hermes", text).content == "Hello there\nand then some text"
+    assert streamed("hermes", list(text)).content == "Hello there\nand then some text"
+    after = f"<tool_call>{WEATHER}</tool_call>\nI will call it now."
+    assert streamed("hermes", list(after)).content == whole("hermes", after).content == "I will call it now."
+
+
 def test_hermes_passes_text_without_calls_through_unchanged():
     for text in ["", "plain", "  spaced out  \n\n", "a < b and <tool is not <tool_call", "ends with <tool_"]:
         read = whole("hermes", text)
@@ -107,7 +115,8 @@ def _splits(text: str, cuts: list[int]) -> list[str]:
 ANSWERS = {
     "hermes": [f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{CLOCK}</tool_call>\n\n",
                "no calls at all, <tool_ and < spaces   ", f"<tool_call>{WEATHER}</tool_call> then text",
-               "A <tool_call>{bad}</tool_call> B", f"\n\n<tool_call>\n{CLOCK}"],
+               "A <tool_call>{bad}</tool_call> B", f"\n\n<tool_call>\n{CLOCK}",
+               f"Hi there <tool_call>{WEATHER}</tool_call> and then some <tool text"],
     "llama3_json": ['{"name": "a", "parameters": {"x": [1, 2]}}; {"name": "b", "parameters": {}}',
                     "  plain text {with braces}", "<|python_tag|>" + '{"name": "a", "parameters": {}}',
                     "<|python", '{"not": "a call"}'],
@@ -116,9 +125,9 @@ ANSWERS = {
 
 @pytest.mark.parametrize("parser", sorted(ANSWERS))
 @settings(max_examples=60, deadline=None)
-@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12), which=st.integers(0, 4))
+@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=40), which=st.integers(0, 5))
 def test_streamed_in_any_pieces_reads_as_the_whole_does(parser, cuts, which):
-    text = ANSWERS[parser][which]
+    text = ANSWERS[parser][which % len(ANSWERS[parser])]
     expected, got = whole(parser, text), streamed(parser, _splits(text, cuts))
     assert got.content == expected.content
     assert calls(got) == calls(expected)

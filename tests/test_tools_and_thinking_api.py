@@ -27,7 +27,7 @@ from shared.config import GatewayConfig
 from tokenizer_fixture import make_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
-PERIOD = 128
+PERIOD = 224
 MODEL = "hermes"
 HERMES_TEMPLATE = (
     "{%- if tools %}<|system|>You may call these functions: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
@@ -47,7 +47,10 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 def model_dir(tmp_path_factory):
     path = make_copy_checkpoint(tmp_path_factory.mktemp("auto") / MODEL, period=PERIOD, vocab_size=320,
                                 max_position_embeddings=1024)
-    return make_tokenizer(path, vocab_size=320, chat_template=HERMES_TEMPLATE)
+    # The tags are special tokens, as in Hermes 2 Pro's vocabulary: left out of the text unless the
+    # server writes special tokens out for the parser.
+    return make_tokenizer(path, vocab_size=320, chat_template=HERMES_TEMPLATE,
+                          more_special_tokens=("<tool_call>", "</tool_call>"))
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +135,20 @@ def test_text_around_calls_is_the_content_and_text_alone_is_untouched(client, to
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content.strip("\n") == broken
 
 
+def test_parallel_calls_and_parallel_tool_calls_false(client, tokenizer):
+    two = CALL + "\n" + CALL.replace("Paris", "Oslo")
+    r = client.chat.completions.create(**ask(tokenizer, two))
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == ["Paris", "Oslo"]
+    assert len({c.id for c in r.choices[0].message.tool_calls}) == 2
+    content, calls, finish = streamed(client, ask(tokenizer, two))
+    assert [json.loads(c["arguments"])["city"] for c in calls] == ["Paris", "Oslo"] and finish == "tool_calls"
+    # At most one call where the client asks for no parallel calls (OpenAI's parallel_tool_calls).
+    r = client.chat.completions.create(**ask(tokenizer, two, parallel_tool_calls=False))
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == ["Paris"]
+    assert [json.loads(c["arguments"])["city"] for c in streamed(client, ask(tokenizer, two,
+                                                                            parallel_tool_calls=False))[1]] == ["Paris"]
+
+
 def test_the_tool_loop_sends_the_call_back_and_the_model_reads_the_result(client, tokenizer):
     first = client.chat.completions.create(**ask(tokenizer, CALL)).choices[0].message
     history = [{"role": "user", "content": "Weather in Paris?"}, first.model_dump(exclude_none=True),
@@ -172,6 +189,7 @@ def test_auto_is_read_only_where_the_model_decides():
 
     request, presentation = chat("hermes")
     assert presentation.tool_parser == "hermes" and not request.sampling.HasField("structured_output")
+    assert request.sampling.skip_special_tokens is False  # tags that are special tokens stay in the text
     assert chat("hermes", tool_choice="auto")[1].tool_parser == "hermes"
     # A constrained answer is that answer; "none" and "required" are not read for calls.
     assert chat("hermes", response_format={"type": "json_object"})[1].tool_parser == ""
@@ -218,9 +236,11 @@ def test_thinking_goes_back_to_the_template_and_out_as_a_responses_item(client, 
                 tools=[{"type": "function", **WEATHER["function"]}])
     whole = client.responses.create(**body)
     with client.responses.stream(**body) as s:
-        events = [e.type for e in s]
+        events = [(e.type, getattr(e, "output_index", None)) for e in s]
         streamed = s.get_final_response()
-    assert "response.reasoning_text.delta" in events
+    assert ("response.reasoning_text.delta", 0) in events and ("response.content_part.added", 0) in events
+    # The thinking's item is done before the message's is added, as OpenAI sends one item at a time.
+    assert events.index(("response.output_item.done", 0)) < events.index(("response.output_item.added", 1))
     for r in (whole, streamed):
         assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
         assert r.output[0].content[0].text == "The user wants Paris."

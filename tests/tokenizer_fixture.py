@@ -16,14 +16,17 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(path: str | Path, vocab_size: int = 320, chat_template: str = CHAT_TEMPLATE) -> Path:
+def make_tokenizer(path: str | Path, vocab_size: int = 320, chat_template: str = CHAT_TEMPLATE,
+                   more_special_tokens: tuple[str, ...] = ()) -> Path:
+    """`more_special_tokens` take the ids after the three specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=["<pad>", "<s>", "</s>", *more_special_tokens],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
