@@ -199,8 +199,9 @@ def _tool_constraint(body: ChatCompletionRequest, tool_parser: str | None) -> in
     if choice == "auto":
         if tool_parser is None:
             raise BadRequest("tool_choice \"auto\" (the default where tools are given) needs a parser of the model's "
-                             "tool-call format, and this model's chat template teaches none this server reads "
-                             "(gateway.tool_call_parser); use \"required\" or name a function", "tool_choice")
+                             "tool-call format, and this server has none for this model (gateway.tool_call_parser: "
+                             "its chat template names no format it reads, or parsing is off); use \"required\" or "
+                             "name a function", "tool_choice")
         return None
     # Each function keeps its index among the tools: its definitions are placed under that name.
     if choice == "required":

@@ -162,8 +162,9 @@ def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)  # a model's calls of one turn: one assistant message
+            if last is not None and last["role"] == "assistant":
+                # A model's text and calls of one turn: one assistant message, as it was written.
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:

@@ -187,6 +187,9 @@ def _json_calls(text: str) -> list[dict] | None:
             value, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
+        # A bare object is a call only where it says so: a JSON answer with a "name" is an answer.
+        if not isinstance(value, dict) or not ({"parameters", "arguments"} & value.keys()):
+            return None
         call = _call_of(value, "parameters")
         if call is None:
             return None

@@ -81,7 +81,8 @@ def test_llama3_json_reads_one_or_several_calls():
 
 
 def test_llama3_json_text_and_json_that_is_no_call_are_content():
-    for text in ["The answer is {1}.", '{"answer": 42}', '{"name": "a", "parameters": {}} trailing', "{broken"]:
+    for text in ["The answer is {1}.", '{"answer": 42}', '{"name": "a", "parameters": {}} trailing', "{broken",
+                 '{"name": "Alice", "age": 30}']:
         read = whole("llama3_json", text)
         assert (read.content, read.calls) == (text, [])
 

@@ -179,6 +179,17 @@ def test_the_responses_api_answers_function_call_items(client, tokenizer):
         r = items("On it.\n" + CALL, stream)
         assert [o.type for o in r.output] == ["message", "function_call"]
         assert r.output[0].content[0].text.strip("\n") == "On it."
+    # Sent back, the text and the call of that turn are one assistant message, as the model wrote them.
+    follow = client.responses.create(model=MODEL, max_output_tokens=1, input=[
+        {"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+        {"type": "function_call_output", "call_id": r.output[1].call_id, "output": "sunny"}])
+    call = {"id": r.output[1].call_id, "type": "function",
+            "function": {"name": r.output[1].name, "arguments": r.output[1].arguments}}
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": r.output[0].content[0].text, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}])
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
 
 
 def test_auto_is_read_only_where_the_model_decides():
