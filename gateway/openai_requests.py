@@ -65,6 +65,8 @@ class Presentation:
     tool_parser: str = ""
     max_calls: int | None = None  # of those: parallel_tool_calls false answers the first call only
     reasoning: bool = False  # a reasoning model's thinking is read apart (gateway/reasoning_parser.py)
+    # Special tokens are written into the text, so each has its log-probability entry too.
+    keep_special_tokens: bool = False
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
@@ -148,6 +150,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig, tool_parser
                                            max_calls=1 if body.parallel_tool_calls is False else None)
         if tool_parser == "hermes":  # its tags may be special tokens (Hermes 2 Pro's): kept in the text
             request.sampling.skip_special_tokens = False
+            presentation = dataclasses.replace(presentation, keep_special_tokens=True)
     return request, presentation
 
 
@@ -378,4 +381,5 @@ def _presentation(body: _Sampling, echo: bool, logprobs: int | None, limits: Gat
         raise BadRequest("stream_options needs stream: true", "stream_options")
     return Presentation(n=body.n, stream=body.stream,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage), echo=echo,
-                        logprobs=logprobs, return_token_ids=body.return_token_ids, constraint_field=constraint_field)
+                        logprobs=logprobs, return_token_ids=body.return_token_ids, constraint_field=constraint_field,
+                        keep_special_tokens=not body.skip_special_tokens)

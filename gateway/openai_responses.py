@@ -8,6 +8,7 @@ official client. Each token's text in log-probabilities is its own decode (cache
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,13 @@ class TokenTexts:
         if shown is None:
             shown = self._shown[token_id] = self._tokenizer.decode([token_id]) != "" or self(token_id) == ""
         return shown
+
+    def showing_special(self) -> TokenTexts:
+        """A view of these texts (the same caches) where every token has its log-probability entry:
+        for answers whose text writes special tokens out."""
+        view = copy.copy(self)
+        view.shown = lambda token_id: True
+        return view
 
     def prompt_tail(self, prompt_ids) -> str:
         """The last characters of a prompt, special tokens written out."""
@@ -131,7 +139,7 @@ class ResponseBuilder:
     def __init__(self, request_id: str, model: str, chat: bool, presentation: Presentation, texts: TokenTexts):
         self.request_id, self.model, self.chat = request_id, model, chat
         self.presentation = presentation
-        self.texts = texts
+        self.texts = texts.showing_special() if presentation.keep_special_tokens else texts
         self.created = int(time.time())
         self._started: set[int] = set()
         self._readers: dict[int, CallReader] = {}  # tool_choice "auto": each streamed choice's calls

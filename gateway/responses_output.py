@@ -83,7 +83,8 @@ class ResponsesBuilder:
         # Thinking that an answer followed was complete, whatever cut the answer.
         thinking = ([self._reasoning_item(reasoning, "completed" if content or calls else status)] if reasoning
                     else [])
-        message = [self._message(content or "", status)] if content or not calls else []
+        # No message where nothing but thinking was written (cut off, or the model stopped there).
+        message = [self._message(content or "", status)] if content or not (calls or reasoning) else []
         return thinking + message + [self._call_item(call) for call in calls or []]
 
     def _reasoning_item(self, text: str | None, status: str) -> dict:

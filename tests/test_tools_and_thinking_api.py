@@ -111,6 +111,10 @@ def test_a_call_the_model_writes_is_answered_as_tool_calls(client, tokenizer):
     content, calls, finish = streamed(client, ask(tokenizer, CALL))
     assert (content, finish) == (None, "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    # Its tags are special tokens written out for the parser: each generated token has its logprob entry.
+    r = client.chat.completions.create(**ask(tokenizer, CALL), logprobs=True)
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    assert {"<tool_call>", "</tool_call>"} <= {e.token for e in r.choices[0].logprobs.content}
     # The client's stream helper reports the call's arguments done, parsed.
     with client.chat.completions.stream(**ask(tokenizer, CALL)) as stream:
         final = stream.get_final_completion()
@@ -256,6 +260,12 @@ def test_thinking_goes_back_to_the_template_and_out_as_a_responses_item(client, 
         assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
         assert r.output[0].content[0].text == "The user wants Paris."
         assert r.output[1].content[0].text == "On it."
+    # Thinking and nothing after it: the reasoning item alone, no empty message.
+    [message] = written(tokenizer, [{"role": "user", "content": ""}], THOUGHT.rstrip())
+    body["input"] = message["content"]
+    assert [o.type for o in client.responses.create(**body).output] == ["reasoning"]
+    with client.responses.stream(**body) as s:
+        assert [o.type for o in s.get_final_response().output] == ["reasoning"]
     # The next turn sends the items back, thinking included: taken, and given to the template.
     follow = client.responses.create(model=MODEL, temperature=0.0, max_output_tokens=2, input=[
         {"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in whole.output],
