@@ -111,7 +111,7 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig, tool_parser
         sampling=_sampling(body, limit, limit_name, logprobs, "top_logprobs", MAX_TOP_LOGPROBS), priority=body.priority,
         truncate_prompt_tokens=_truncate(body), session_id=_session(body),
         tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools]) if body.tools else "",
-        chat_template_kwargs_json=json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else "",
+        chat_template_kwargs_json=_template_variables(body),
         omit_generation_prompt=not body.add_generation_prompt, continue_final_message=body.continue_final_message)
     if body.continue_final_message and body.add_generation_prompt:
         raise BadRequest("continue_final_message continues the last message, so it takes add_generation_prompt: "
@@ -152,6 +152,14 @@ def chat_request(body: ChatCompletionRequest, limits: GatewayConfig, tool_parser
             request.sampling.skip_special_tokens = False
             presentation = dataclasses.replace(presentation, keep_special_tokens=True)
     return request, presentation
+
+
+def _template_variables(body: ChatCompletionRequest) -> str:
+    """chat_template_kwargs, and reasoning_effort as a variable of its own name (unless they set it)."""
+    variables = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
+    return json.dumps(variables) if variables else ""
 
 
 def _constraint(body: _Constrained) -> tuple[inference_pb2.StructuredOutput | None, str]:

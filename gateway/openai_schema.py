@@ -73,6 +73,10 @@ class _Sampling(_Request):
     null_n_stream = _null_takes_default("n", "stream")
 
 
+# OpenAI's reasoning efforts.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class JsonSchemaFormat(_Request):
     name: str
     schema_: dict | None = Field(None, alias="schema")
@@ -186,7 +190,9 @@ class ChatCompletionRequest(_Constrained):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     modalities: list[Literal["text"]] | None = Field(None, description="only text")
-    reasoning_effort: None = Field(None, description="only null: the served models do not reason")
+    reasoning_effort: ReasoningEffort | None = Field(None, description="given to the chat template as "
+                                                     "reasoning_effort (vLLM's way); a template that does not read "
+                                                     "it thinks as it does")
     verbosity: str | None = Field(None, description="taken; the model writes as it writes")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables the chat template reads, "
                                                          "e.g. {\"enable_thinking\": false} (vLLM's)")

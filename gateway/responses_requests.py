@@ -4,10 +4,11 @@ chat request it amounts to, so a response is generated, checked and bounded exac
 `input` is a text (one user message) or a list of items: messages (text parts only), a model's
 earlier `function_call`s and the `function_call_output`s that answer them, and its earlier
 thinking (`reasoning` items, given to the chat template as the next assistant turn's
-`reasoning_content`); `instructions` is a system message before them. Function tools, `tool_choice`, `text.format` (text, json_object,
-json_schema) and the sampling fields map one to one. What needs state this server does not keep
-(`previous_response_id`, `conversation`, `background`) and tools or inputs it cannot serve (built-in
-tools, images, files, reasoning effort) are refused 400 naming the field, never silently ignored.
+`reasoning_content`); `instructions` is a system message before them. Function tools,
+`tool_choice`, `text.format` (text, json_object, json_schema), `reasoning.effort` and the sampling
+fields map one to one. What needs state this server does not keep (`previous_response_id`,
+`conversation`, `background`) and tools or inputs it cannot serve (built-in tools, images, files)
+are refused 400 naming the field, never silently ignored.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any, Literal, Union
 from pydantic import Field, ValidationError
 
 from gateway.openai_requests import BadRequest
-from gateway.openai_schema import FUNCTION_NAME_PATTERN, ChatCompletionRequest, _Request
+from gateway.openai_schema import FUNCTION_NAME_PATTERN, ChatCompletionRequest, ReasoningEffort, _Request
 
 
 class InputText(_Request):
@@ -92,10 +93,11 @@ class TextOptions(_Request):
 
 
 class ReasoningOptions(_Request):
-    """Only empty: the served models do not reason (clients send it null or with null fields)."""
-    effort: None = None
-    summary: None = None
-    generate_summary: None = None
+    """The effort goes to the chat template as reasoning_effort; the thinking is answered whole, so a
+    summary asked for is taken and not made."""
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(_Request):
@@ -176,7 +178,8 @@ def chat_of(body: ResponsesRequest) -> ChatCompletionRequest:
                               "prompt_cache_key": body.prompt_cache_key,
                               "temperature": body.temperature, "top_p": body.top_p, "timeout": body.timeout,
                               "max_completion_tokens": body.max_output_tokens,
-                              "parallel_tool_calls": body.parallel_tool_calls}
+                              "parallel_tool_calls": body.parallel_tool_calls,
+                              "reasoning_effort": body.reasoning.effort if body.reasoning else None}
     if body.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                            for t in body.tools]

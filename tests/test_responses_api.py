@@ -168,7 +168,7 @@ def test_text_format_constrains_the_output_and_parse_reads_it(client):
      "tools.0.parameters: Value error, a function's parameters must be a JSON Schema of an object"),
     ({"model": "other"}, openai.NotFoundError, "other"),
     ({"include": ["message.output_text.logprobs"]}, openai.BadRequestError, "include"),
-    ({"reasoning": {"effort": "high"}}, openai.BadRequestError, "reasoning.effort"),
+    ({"reasoning": {"effort": "extreme"}}, openai.BadRequestError, "reasoning.effort"),
     ({"prompt": {"id": "pmpt_1"}}, openai.BadRequestError, "keeps no responses, conversations or prompts"),
     # Refusals of the chat it amounts to name the Responses body's fields.
     ({"max_output_tokens": 0}, openai.BadRequestError, "max_output_tokens must be >= 1"),

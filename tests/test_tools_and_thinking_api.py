@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 PERIOD = 224
 MODEL = "hermes"
 HERMES_TEMPLATE = (
+    "{%- if reasoning_effort is defined %}<|effort|>{{ reasoning_effort }}{{ eos_token }}{% endif %}"
     "{%- if tools %}<|system|>You may call these functions: <tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
     "</tools> To call one, answer <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.{{ eos_token }}"
     "{% endif %}{%- for m in messages %}<|{{ m['role'] }}|>"
@@ -271,3 +272,22 @@ def test_thinking_goes_back_to_the_template_and_out_as_a_responses_item(client, 
         {"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in whole.output],
         {"type": "function_call_output", "call_id": whole.output[2].call_id, "output": "sunny"}])
     assert follow.status in ("completed", "incomplete")
+
+
+def test_reasoning_effort_reaches_the_template(client, tokenizer):
+    def prompt(extra: dict | None = None, **fields) -> str:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                           extra_body={"return_token_ids": True, **(extra or {})}, **fields)
+        return tokenizer.decode(r.prompt_token_ids, skip_special_tokens=False)
+
+    assert "<|effort|>" not in prompt()
+    assert prompt(reasoning_effort="high").startswith("<|effort|>high</s>")
+    # The client's own template variable wins.
+    assert prompt({"chat_template_kwargs": {"reasoning_effort": "low"}}, reasoning_effort="high").startswith(
+        "<|effort|>low</s>")
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1,
+                                reasoning={"effort": "high", "summary": "auto"})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          reasoning_effort="high")
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens > plain.usage.prompt_tokens
