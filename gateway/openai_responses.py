@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.openai_requests import Presentation
-from gateway.reasoning_parser import ThinkReader, prompt_opens_thinking
+from gateway.reasoning_parser import CLOSE, ThinkReader, prompt_opens_thinking
 from gateway.streams import RequestState, StreamEvent
 from gateway.tokenizer import Tokenizer
 from gateway.tool_parsers import CallReader, Read, call_id, call_reader
@@ -93,13 +93,17 @@ def _finish(c: Choice, called: bool) -> str | None:
     return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
 
 
-def usage(choices: list[Choice], n: int) -> dict:
-    """Prompt tokens count once per prompt (its n choices share it), completion tokens per choice."""
+def usage(choices: list[Choice], n: int, reasoning_tokens: int | None = None) -> dict:
+    """Prompt tokens count once per prompt (its n choices share it), completion tokens per choice
+    (of them, where thinking is read, `reasoning_tokens` the thinking's)."""
     firsts = [c for c in choices if c.index % n == 0]
     prompt = sum(len(c.state.prompt_ids) for c in firsts)
     completion = sum(len(c.state.output_ids) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(c.state.num_cached_tokens for c in firsts)}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts, offset: int) -> dict:
@@ -151,7 +155,7 @@ class ResponseBuilder:
         p = self.presentation
         body = {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [self._choice(c) for c in choices],
-                "usage": usage(choices, p.n)}
+                "usage": self._usage(choices)}
         if self.chat and p.return_token_ids:
             body["prompt_token_ids"] = list(choices[0].state.prompt_ids)
         return body
@@ -279,6 +283,23 @@ class ResponseBuilder:
         read.reasoning = reasoning
         return read
 
+    def _usage(self, choices: list[Choice]) -> dict:
+        thinking = sum(map(self.reasoning_tokens, choices)) if self.presentation.reasoning else None
+        return usage(choices, self.presentation.n, thinking)
+
+    def reasoning_tokens(self, c: Choice) -> int:
+        """How many of a finished choice's tokens are its thinking: those up to the one that
+        completes </think>, or all where it never closes; 0 where it did not think."""
+        if not self.presentation.reasoning or not ThinkReader(self._opens_thinking(c)).read_all(c.text)[0]:
+            return 0
+        text = ""
+        for k, token_id in enumerate(c.token_ids):
+            piece = self.texts(token_id)
+            text += piece
+            if CLOSE in text[-len(CLOSE) - len(piece):]:
+                return k + 1
+        return len(c.token_ids)
+
     def _opens_thinking(self, c: Choice) -> bool:
         return prompt_opens_thinking(self.texts.prompt_tail(c.state.prompt_ids))
 
@@ -322,7 +343,7 @@ class ResponseBuilder:
 
     def usage_chunk(self, choices: list[Choice]) -> str:
         return self._sse({"id": self.request_id, "object": self._chunk_object(), "created": self.created,
-                          "model": self.model, "choices": [], "usage": usage(choices, self.presentation.n)})
+                          "model": self.model, "choices": [], "usage": self._usage(choices)})
 
     def closing(self, choices: list[Choice]) -> list[str]:
         """What a stream ends with: the usage chunk when asked for, then [DONE]."""

@@ -71,7 +71,8 @@ class ResponsesBuilder:
             prompt, output_tokens = len(c.state.prompt_ids), len(c.state.output_ids)
             body["usage"] = {"input_tokens": prompt,
                              "input_tokens_details": {"cached_tokens": c.state.num_cached_tokens},
-                             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                             "output_tokens": output_tokens,
+                             "output_tokens_details": {"reasoning_tokens": self.chat.reasoning_tokens(c)},
                              "total_tokens": prompt + output_tokens}
         return body
 

@@ -217,10 +217,17 @@ THOUGHT = "<think>The user wants Paris.</think>\n\n"
 
 
 def test_thinking_is_answered_apart_as_reasoning(client, tokenizer):
-    r = client.chat.completions.create(**ask(tokenizer, THOUGHT + "It is sunny."))
+    r = client.chat.completions.create(**ask(tokenizer, THOUGHT + "It is sunny."),
+                                       extra_body={"return_token_ids": True})
     message = r.choices[0].message
     assert message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
     assert message.reasoning == message.reasoning_content == "The user wants Paris."
+    # The thinking's tokens, counted as OpenAI counts them: those up to the end of </think>.
+    ids = r.choices[0].token_ids
+    thought = next(k for k in range(len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k], skip_special_tokens=False))
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens == thought < r.usage.completion_tokens
+    plain = client.chat.completions.create(**ask(tokenizer, "It is sunny."))
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
     # Thinking, then a call: each where it belongs.
     r = client.chat.completions.create(**ask(tokenizer, THOUGHT + CALL))
     message = r.choices[0].message
@@ -258,6 +265,7 @@ def test_thinking_goes_back_to_the_template_and_out_as_a_responses_item(client, 
     # The thinking's item is done before the message's is added, as OpenAI sends one item at a time.
     assert events.index(("response.output_item.done", 0)) < events.index(("response.output_item.added", 1))
     for r in (whole, streamed):
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
         assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
         assert r.output[0].content[0].text == "The user wants Paris."
         assert r.output[1].content[0].text == "On it."
