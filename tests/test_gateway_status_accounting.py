@@ -85,8 +85,12 @@ def test_deadline_mid_stream_is_deadline_exceeded(served_checkpoint):
         ids = [f"acct-deadline-{i}" for i in range(64)]
         codes = {}
 
+        # 8 s of tokens at this step time: the deadline passes mid-stream even where a loaded host
+        # fires the gateway's timer late (LONG's 400 tokens took 0.8 s here, and one ran out first).
+        longer = {**LONG, "max_tokens": 4000}
+
         def client(rid):
-            codes[rid] = outcome(cluster.stub.Generate(request(request_id=rid, sampling=LONG), timeout=0.5))
+            codes[rid] = outcome(cluster.stub.Generate(request(request_id=rid, sampling=longer), timeout=0.5))
 
         for group in (ids[i:i + 16] for i in range(0, len(ids), 16)):
             threads = [threading.Thread(target=client, args=(rid,)) for rid in group]
