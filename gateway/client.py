@@ -72,6 +72,8 @@ def build_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
     s.ignore_eos = args.ignore_eos
     if args.logprobs is not None:
         s.logprobs = args.logprobs
+    if args.prompt_logprobs is not None:
+        s.prompt_logprobs = args.prompt_logprobs
     request.session_id = args.session or ""
     given = [(kind, value) for kind, value in (("json_schema", args.json_schema), ("regex", args.regex))
              if value is not None]
@@ -121,20 +123,24 @@ def call_metadata(args: argparse.Namespace) -> tuple:
 
 def generate(args: argparse.Namespace) -> int:
     with open_pool(args) as pool:
-        last, logprobs = None, []
+        last, logprobs, prompt_logprobs = None, [], []
         try:
             for response in pool.generate(build_request(args), timeout=args.timeout, metadata=call_metadata(args)):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 logprobs.extend(response.logprobs)
+                prompt_logprobs.extend(response.prompt_logprobs)
                 last = response
         except grpc.RpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     print()
-    for entry in logprobs:  # token id, its log-probability, then the most likely alternatives
+    # The prompt's (from its second token, with its rank), then the output's: token id, log-probability,
+    # then the most likely alternatives.
+    for entry in prompt_logprobs + logprobs:
         alternatives = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in entry.top)
-        print(f"{entry.token_id}\t{entry.logprob:.4f}\t{alternatives}", file=sys.stderr)
+        rank = f"\trank {entry.rank}" if entry.rank else ""
+        print(f"{entry.token_id}\t{entry.logprob:.4f}\t{alternatives}{rank}", file=sys.stderr)
     if last is not None and args.verbose:
         u, t = last.usage, last.timing
         print(f"[{last.request_id} on {last.worker_id}: {FINISH_NAMES[last.finish_reason]}; "
@@ -263,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", default=None, help="a system message (with --chat)")
     parser.add_argument("--logprobs", type=wire_int(UINT32), default=None, metavar="N",
                         help="print each token's log-probability and its N (0-20) most likely alternatives")
+    parser.add_argument("--prompt-logprobs", type=wire_int(UINT32), default=None, metavar="N",
+                        help="print the prompt's too (each token after the first, its rank and N alternatives)")
     parser.add_argument("--session", "--session-id", dest="session", default=None,
                         help="a session id: its requests go to one gateway and one worker")
     parser.add_argument("--json-schema", default=None, metavar="JSON", help="constrain the output to this JSON Schema")

@@ -35,7 +35,7 @@ from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
 from shared.config import ClusterConfig
 from shared.ipc import GatewaySocket, WireError, bind_gateway_socket, decode
-from shared.wire import logprobs_from_wire, sampling_to_wire
+from shared.wire import logprobs_from_wire
 
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.05
@@ -210,7 +210,7 @@ class Dispatcher:
                 self.metrics.generation_tokens.inc(len(delta.new_token_ids))
                 self.registry.note_tokens(worker_id, state.internal_id, len(delta.new_token_ids))
             logprobs = logprobs_from_wire(delta) if delta.logprobs else None
-            stopped = state.on_tokens(list(delta.new_token_ids), now, logprobs)
+            stopped = state.on_tokens(list(delta.new_token_ids), now, logprobs, state.prompt_logprobs_of(delta))
             if stopped:
                 self._forget(state)
                 self._send_abort(worker_id, [state.internal_id])
@@ -305,7 +305,7 @@ class Dispatcher:
             self.registry.assign(worker.worker_id, state.internal_id, self._num_tokens(state) + 1)
             wire.append(worker_pb2.WireRequest(
                 request_id=state.internal_id, prompt_token_ids=state.prompt_ids, output_token_ids=state.output_ids,
-                sampling=sampling_to_wire(state.params), priority=0 if self.queue.fifo else state.priority))
+                sampling=state.wire_sampling(), priority=0 if self.queue.fifo else state.priority))
         sent = await self.socket.send(worker.worker_id, worker_pb2.Envelope(
             submit=worker_pb2.SubmitBatch(requests=wire)))
         if not sent:

@@ -35,21 +35,20 @@ from gateway.http_auth import GENERATE_PATHS, ApiKeyCheck, principal_of
 from gateway.http_body_limit import BodyLimit
 from gateway.http_errors import ApiError, http_error, internal_error, too_deep_body, validation_error
 from gateway.http_tokenize import TokenizeRoutes
-from gateway.openai_requests import (ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request,
-                                     completion_requests, named_as_in_body, refused_tool)
-from gateway.openai_responses import Choice, ResponseBuilder, TokenTexts, error_body
+from gateway.openai_requests import ERROR_TYPE, HTTP_STATUS, BadRequest, Presentation, chat_request, completion_requests
+from gateway.openai_responses import Choice, ResponseBuilder, error_body
 from gateway.openai_schema import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from gateway.request_log import refuse_request
 from gateway.responses_output import ResponsesBuilder
 from gateway.responses_requests import ResponsesRequest, chat_of, in_responses_words
 from gateway.sequences import SequenceFailed, Sequences
+from gateway.token_texts import TokenTexts
+from gateway.tool_schema import named_as_in_body, refused_tool
 from protos import inference_pb2
 
 TIMEOUT_HEADER = "x-request-timeout"  # seconds, like the body's `timeout`
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 413, 429, 503, 504)}
-
-
 # Refusals made by the HTTP layer itself, in the request log under the gRPC status of the same meaning.
 _LOG_STATUS = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED"}
 # The response headers a browser page may read (CORS): ours, and the 429's retry hint.

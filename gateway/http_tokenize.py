@@ -17,7 +17,8 @@ from pydantic import BaseModel, Discriminator, Field, Tag, create_model
 from gateway.admission import Admission
 from gateway.http_errors import ApiError
 from gateway.offload import OffloadBusyError, should_offload
-from gateway.openai_requests import BadRequest, chat_request, named_as_in_body
+from gateway.openai_requests import BadRequest, chat_request
+from gateway.tool_schema import named_as_in_body
 from gateway.openai_schema import ChatCompletionRequest, ChatMessage, Tool, _Request
 from gateway.tokenizer import Tokenizer
 from gateway.validation import InvalidRequest, check_sizes, encoded_prompt

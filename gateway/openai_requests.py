@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 
 import grpc
 
-from gateway.constraints import ConstraintCompiler, ConstraintError
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, _Constrained, _Sampling
+from gateway.tool_schema import placed
 from gateway.validation import MAX_SESSION_ID_LEN
 from protos import inference_pb2
 from shared.config import GatewayConfig
@@ -67,15 +66,20 @@ class Presentation:
     reasoning: bool = False  # a reasoning model's thinking is read apart (gateway/reasoning_parser.py)
     # Special tokens are written into the text, so each has its log-probability entry too.
     keep_special_tokens: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, with this many alternatives
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt's tokens come with log-probabilities (a completion's echo with logprobs)."""
+        return self.echo and self.logprobs is not None
 
 
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
                                                                                   Presentation]:
     prompts = _prompts(body.prompt, limits)
-    if body.echo and body.logprobs is not None:
-        raise BadRequest("echo with logprobs would need the prompt's log-probabilities, which this server does not "
-                         "compute; drop one of them", "echo")
     sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
+    if body.echo and body.logprobs is not None:  # the echoed prompt's tokens have theirs too
+        sampling.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
     constraint, constraint_field = _constraint(body)
     if constraint is not None:
         sampling.structured_output.CopyFrom(constraint)
@@ -223,7 +227,7 @@ def _tool_constraint(body: ChatCompletionRequest, tool_parser: str | None) -> in
             raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
     defs: dict[str, dict] = {}
     calls = [{"type": "object", "properties": {"name": {"const": f.name},
-                                               "arguments": _placed(f.parameters or {"type": "object"}, i, defs)},
+                                               "arguments": placed(f.parameters or {"type": "object"}, i, defs)},
               "required": ["name", "arguments"], "additionalProperties": False} for i, f in functions]
     single = choice != "required" or body.parallel_tool_calls is False
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
@@ -236,60 +240,6 @@ def _tool_constraint(body: ChatCompletionRequest, tool_parser: str | None) -> in
 
 # What of a tool call in the history reaches the chat template (the rest is the client's own).
 _CALL_FIELDS = {"id": True, "type": True, "function": {"name", "arguments"}}
-# How admission names a constraint it refuses: the gRPC field, renamed to the body's own.
-_GRPC_CONSTRAINT = re.compile(r"^structured_output(?:\.[a-z_]+)?\b")
-# Where `_placed` puts a tool's definitions, named back as the body has them:
-# "/$defs/function0/$defs/Inner" is "tools[0].function.parameters#/$defs/Inner".
-_PLACED_TOOL = re.compile(r"#?/\$defs/function(\d+)((?:/[^\s'\"]*)?)")
-
-
-def named_as_in_body(message: str, constraint_field: str) -> str:
-    """An admission refusal's message with the constraint named by the body field it came from,
-    and a chat's tools_json (the gRPC field) as the body's `tools`."""
-    message = message.replace("tools_json", "tools")
-    if not constraint_field:
-        return message
-    message = _GRPC_CONSTRAINT.sub(constraint_field, message, count=1)
-    if constraint_field == "tools":
-        message = _PLACED_TOOL.sub(lambda m: f"tools[{m[1]}].function.parameters" + (f"#{m[2]}" if m[2] else ""),
-                                   message)
-    return message
-
-
-def refused_tool(message: str, tool_parameters: tuple[tuple[int, str], ...], compiler: ConstraintCompiler) -> str:
-    """A refusal of the tool calls' constraint named after the first tool whose parameters are
-    refused on their own (llguidance's message may name no place in the schema); `message` where
-    none is. Compiles each schema: run it off the event loop."""
-    for index, schema in tool_parameters:
-        try:
-            compiler.grammar(inference_pb2.StructuredOutput(json_schema=schema))
-        except ConstraintError as e:
-            return named_as_in_body(str(e), f"tools[{index}].function.parameters")
-    return message
-
-
-def _placed(parameters: dict, index: int, defs: dict[str, dict]) -> dict:
-    """A function's parameters schema as it sits inside the tool-call schema. One that refers to
-    itself (`$ref`s such as "#/$defs/Inner", which pydantic writes for nested models) is moved
-    whole to the root's `$defs` under its own name, its local references rewritten to point
-    there, so they still resolve, and two functions' definitions never meet."""
-    name = f"function{index}"
-    rebased = _rebased(parameters, f"#/$defs/{name}")
-    if rebased == parameters:  # no local reference: it stays in place
-        return parameters
-    defs[name] = rebased
-    return {"$ref": f"#/$defs/{name}"}
-
-
-def _rebased(node, base: str):
-    if isinstance(node, dict):
-        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
-                for k, v in node.items()}
-    if isinstance(node, list):
-        return [_rebased(x, base) for x in node]
-    return node
-
-
 def _prompts(prompt, limits: GatewayConfig) -> list[str | list[int]]:
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -347,6 +297,11 @@ def _sampling(body: _Sampling, max_tokens: int | None, max_tokens_name: str, log
                 raise BadRequest(f"{name} = {value} is out of range", name) from None
     if logprobs is not None:
         options.logprobs = logprobs
+    if body.prompt_logprobs is not None:
+        if not 0 <= body.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.prompt_logprobs}",
+                             "prompt_logprobs")
+        options.prompt_logprobs = body.prompt_logprobs
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     options.stop.extend(stops)
     if body.stop_token_ids:
@@ -387,7 +342,9 @@ def _presentation(body: _Sampling, echo: bool, logprobs: int | None, limits: Gat
         raise BadRequest(f"n must be in [1, {limits.max_n}] (gateway.max_n), got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise BadRequest("stream_options needs stream: true", "stream_options")
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM: they are in the whole answer only
+        raise BadRequest("prompt_logprobs are not available with stream: true", "prompt_logprobs")
     return Presentation(n=body.n, stream=body.stream,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage), echo=echo,
                         logprobs=logprobs, return_token_ids=body.return_token_ids, constraint_field=constraint_field,
-                        keep_special_tokens=not body.skip_special_tokens)
+                        keep_special_tokens=not body.skip_special_tokens, prompt_logprobs=body.prompt_logprobs)

@@ -8,59 +8,17 @@ official client. Each token's text in log-probabilities is its own decode (cache
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
 from dataclasses import dataclass, field
 
 from gateway.openai_requests import Presentation
+from gateway.prompt_logprobs import echoed_logprobs, joined, top_by_text, vllm_prompt_logprobs
 from gateway.reasoning_parser import CLOSE, ThinkReader, prompt_opens_thinking
 from gateway.streams import RequestState, StreamEvent
-from gateway.tokenizer import Tokenizer
+from gateway.token_texts import TokenTexts
 from gateway.tool_parsers import CallReader, Read, call_id, call_reader
 from shared.wire import TokenLogprob
-
-
-class TokenTexts:
-    """Each token id's own text, decoded once."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-        self._bytes: dict[int, list[int]] = {}
-        self._shown: dict[int, bool] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def shown(self, token_id: int) -> bool:
-        """Whether the token is part of the answer's text: a special token (EOS among them) is not,
-        so it has no log-probability entry, and the entries' texts join to the answer's."""
-        shown = self._shown.get(token_id)
-        if shown is None:
-            shown = self._shown[token_id] = self._tokenizer.decode([token_id]) != "" or self(token_id) == ""
-        return shown
-
-    def showing_special(self) -> TokenTexts:
-        """A view of these texts (the same caches) where every token has its log-probability entry:
-        for answers whose text writes special tokens out."""
-        view = copy.copy(self)
-        view.shown = lambda token_id: True
-        return view
-
-    def prompt_tail(self, prompt_ids) -> str:
-        """The last characters of a prompt, special tokens written out."""
-        return self._tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
-
-    def bytes_of(self, token_id: int) -> list[int]:
-        """The token's raw bytes (a part of a character where its text alone is U+FFFD)."""
-        raw = self._bytes.get(token_id)
-        if raw is None:
-            raw = self._bytes[token_id] = list(self._tokenizer.token_bytes(token_id))
-        return raw
 
 
 @dataclass
@@ -74,12 +32,15 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     logprob_offset: int = -1  # where the next token's text_offset counts from (streamed answers)
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for: one per prompt token after the first
 
     def add(self, events: list[StreamEvent]) -> tuple[str, list[int], list[TokenLogprob]]:
         """Take a batch of events; returns what it added (text, token ids, log-probabilities)."""
         text = "".join(e.text for e in events)
         ids = [t for e in events for t in e.token_ids]
         logprobs = [lp for e in events for lp in e.logprobs]
+        if events[0].prompt_logprobs is not None:  # only ever on a choice's first event
+            self.prompt_logprobs = events[0].prompt_logprobs
         self.text += text
         self.token_ids += ids
         self.logprobs += logprobs
@@ -118,15 +79,7 @@ def completion_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts, offset:
         tokens.append(token)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
-            "top_logprobs": [_top_by_text(e.top, texts) for e in logprobs], "text_offset": offsets}
-
-
-def _top_by_text(top: tuple[tuple[int, float], ...], texts: TokenTexts) -> dict[str, float]:
-    """The format keys alternatives by text: of tokens with the same text, the most likely one's."""
-    out: dict[str, float] = {}
-    for token_id, logprob in top:
-        out.setdefault(texts(token_id), logprob)
-    return out
+            "top_logprobs": [top_by_text(e.top, texts) for e in logprobs], "text_offset": offsets}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts) -> dict:
@@ -158,7 +111,16 @@ class ResponseBuilder:
                 "usage": self._usage(choices)}
         if self.chat and p.return_token_ids:
             body["prompt_token_ids"] = list(choices[0].state.prompt_ids)
+        if self.chat and p.prompt_logprobs is not None:  # vLLM's place for a chat's
+            body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         return body
+
+    def _prompt_logprobs(self, c: Choice) -> list[dict | None]:
+        return vllm_prompt_logprobs(c.state.prompt_ids, c.prompt_logprobs, self.presentation.prompt_logprobs,
+                                    self.texts)
+
+    def _echoed(self, c: Choice) -> dict:
+        return echoed_logprobs(c.state.prompt_ids, c.prompt_logprobs, self.presentation.logprobs, self.texts)
 
     def _choice(self, c: Choice) -> dict:
         p = self.presentation
@@ -171,12 +133,14 @@ class ResponseBuilder:
                    "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
                    "finish_reason": _finish(c, bool(calls))}
         else:
+            logprobs = completion_logprobs(c.logprobs, self.texts, len(c.prefix)) if p.logprobs is not None else None
             out = {"index": c.index, "text": c.prefix + c.text,
-                   "logprobs": (completion_logprobs(c.logprobs, self.texts, len(c.prefix))
-                                if p.logprobs is not None else None),
+                   "logprobs": joined(self._echoed(c), logprobs) if p.echo_logprobs else logprobs,
                    "finish_reason": c.finish_reason}
             if p.return_token_ids:
                 out["prompt_token_ids"] = list(c.state.prompt_ids)
+            if p.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self._prompt_logprobs(c)
         if p.return_token_ids:
             out["token_ids"] = list(c.token_ids)
         return out
@@ -189,7 +153,7 @@ class ResponseBuilder:
             content = None if self.presentation.tool_calls else ""
             return [self._chunk({"index": c.index, "delta": {"role": "assistant", "content": content},
                                  "logprobs": None, "finish_reason": None}, first_of=c) for c in choices]
-        if self.presentation.echo:
+        if self.presentation.echo and not self.presentation.echo_logprobs:  # with them: in the first delta, as vLLM
             return [self._chunk({"index": c.index, "text": c.prefix, "logprobs": None, "finish_reason": None},
                                 first_of=c) for c in choices]
         return []
@@ -227,9 +191,12 @@ class ResponseBuilder:
             entry = {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
             if p.logprobs is not None:
                 # Counted the way the whole answer counts it: the echo, then each token's own text.
-                offset = len(c.prefix) if c.logprob_offset < 0 else c.logprob_offset
+                first = c.logprob_offset < 0
+                offset = len(c.prefix) if first else c.logprob_offset
                 entry["logprobs"] = completion_logprobs(logprobs, self.texts, offset)
                 c.logprob_offset = offset + sum(len(t) for t in entry["logprobs"]["tokens"])
+                if first and p.echo_logprobs:
+                    entry["text"], entry["logprobs"] = c.prefix + text, joined(self._echoed(c), entry["logprobs"])
         if p.return_token_ids:
             entry["token_ids"] = token_ids
         return self._chunk(entry, first_of=c)

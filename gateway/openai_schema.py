@@ -5,7 +5,8 @@ Requests are strict (a string where a number belongs is an error, not a conversi
 fields they do not know, so a typo or an unsupported option is a 400 naming it instead of being
 silently ignored. Beside OpenAI's own fields, the body extensions vLLM accepts (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, priority, min_tokens, return_token_ids,
-truncate_prompt_tokens), a request-level `timeout` in seconds, and `speculative_ngram_k` (prompt lookup).
+truncate_prompt_tokens, prompt_logprobs), a request-level `timeout` in seconds, and `speculative_ngram_k`
+(prompt lookup).
 """
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ class _Sampling(_Request):
     skip_special_tokens: bool = Field(True, description="false: special tokens' text is written into the output")
     include_stop_str_in_output: bool = Field(False, description="the text keeps the stop string, stop token or EOS "
                                              "that ended it")
+    prompt_logprobs: int | None = Field(None, description="vLLM's: the prompt's log-probabilities with this many "
+                                        "(0..20) alternatives per token; not with stream")
     null_n_stream = _null_takes_default("n", "stream")
 
 
@@ -234,6 +237,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's: a token's log-probability at one prompt position, its rank in the vocabulary and its text."""
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first, else token id -> its entry (the prompt's
+# token and the most likely alternatives).
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -241,6 +256,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -299,6 +315,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -17,7 +17,8 @@ import time
 import uuid
 
 from gateway.openai_requests import Presentation
-from gateway.openai_responses import Choice, ResponseBuilder, TokenTexts
+from gateway.openai_responses import Choice, ResponseBuilder
+from gateway.token_texts import TokenTexts
 from gateway.responses_requests import ResponsesRequest
 from shared.wire import TokenLogprob
 

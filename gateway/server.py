@@ -54,6 +54,9 @@ def _response(state: RequestState, events: list[StreamEvent]) -> inference_pb2.G
     for entry in (lp for e in events if e.status is None for lp in e.logprobs):
         response.logprobs.add(token_id=entry.token_id, logprob=entry.logprob,
                               top=[inference_pb2.TopLogprob(token_id=t, logprob=p) for t, p in entry.top])
+    for entry in (lp for e in events if e.status is None and e.prompt_logprobs for lp in e.prompt_logprobs):
+        response.prompt_logprobs.add(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                                     top=[inference_pb2.TopLogprob(token_id=t, logprob=p) for t, p in entry.top])
     return response
 
 

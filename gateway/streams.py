@@ -23,7 +23,8 @@ import grpc
 from gateway.stop_strings import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling_params import SamplingParams
-from shared.wire import TokenLogprob
+from protos import worker_pb2
+from shared.wire import TokenLogprob, prompt_logprobs_from_wire, sampling_to_wire
 
 
 @dataclass
@@ -31,6 +32,8 @@ class StreamEvent:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
+    # On the first event with tokens, when the request asked for prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error" on the last event
     error: str = ""
     status: grpc.StatusCode | None = None  # set: end the RPC with this status instead
@@ -108,11 +111,28 @@ class RequestState:
         self.num_draft_tokens += delta.num_draft_tokens
         self.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
 
-    def on_tokens(self, token_ids: list[int], now_s: float, logprobs: list[TokenLogprob] | None = None) -> bool:
-        """Record new tokens (and their log-probabilities) and queue their text; True if a stop string
-        ended the request."""
+    def wire_sampling(self) -> worker_pb2.WireSampling:
+        """Its sampling as a worker takes it; resumed, without prompt_logprobs (they came with its first token)."""
+        sampling = sampling_to_wire(self.params)
+        if self.output_ids:
+            sampling.ClearField("prompt_logprobs")
+        return sampling
+
+    def prompt_logprobs_of(self, delta: worker_pb2.TokenDelta) -> list[TokenLogprob] | None:
+        """The prompt's log-probabilities, from its worker's first delta with tokens (None from any other, or
+        where the request did not ask)."""
+        if self.params.prompt_logprobs is not None and delta.new_token_ids and not self.output_ids:
+            return prompt_logprobs_from_wire(delta, self.prompt_ids)
+        return None
+
+    def on_tokens(self, token_ids: list[int], now_s: float, logprobs: list[TokenLogprob] | None = None,
+                  prompt_logprobs: list[TokenLogprob] | None = None) -> bool:
+        """Record new tokens (and their log-probabilities, and with the first the prompt's) and queue their
+        text; True if a stop string ended the request."""
         if self.is_finished or not token_ids:
             return False
+        if prompt_logprobs is not None:
+            self._held.prompt_logprobs = prompt_logprobs
         if self.first_token_s is None:
             self.first_token_s = now_s
         self.last_token_s = now_s

@@ -269,6 +269,11 @@ def _sampling(options: inference_pb2.SamplingOptions, default_max_tokens: int, v
             raise _invalid(f"logprobs asks for {options.logprobs} alternatives per token; at most "
                            f"{MAX_TOP_LOGPROBS}")
         fields.update(logprobs=True, top_logprobs=options.logprobs)
+    if options.HasField("prompt_logprobs"):
+        if options.prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise _invalid(f"prompt_logprobs asks for {options.prompt_logprobs} alternatives per token; at most "
+                           f"{MAX_TOP_LOGPROBS}")
+        fields["prompt_logprobs"] = options.prompt_logprobs
     if options.logit_bias:
         bad = sorted(t for t in options.logit_bias if t >= vocab)
         if bad:

@@ -37,7 +37,7 @@ from shared.curve import (GATEWAY, WORKER, ZAP_DOMAIN, ClientKeys, RefusalLog, S
 
 log = logging.getLogger(__name__)
 
-WIRE_VERSION = 3  # 3: prefix-cache KV events
+WIRE_VERSION = 4  # 3: prefix-cache KV events; 4: prompt log-probabilities
 # Unix socket paths are limited to about 107 bytes; ZeroMQ fails obscurely past that.
 _MAX_IPC_PATH = 100
 # A worker never blocks for long on a gateway that is gone: what it would have sent is moot,

@@ -24,6 +24,9 @@ MAX_SPECULATIVE_NGRAM_K = 32
 # What top_logprobs asks for, per sampled token: (token id, raw logprob) pairs by descending logprob, ties by
 # ascending id. Named once here, since the sampler, the worker's outputs and the wire all carry it.
 TopLogprobs = tuple[tuple[int, float], ...]
+# What prompt_logprobs asks for, per prompt token after the first: (its raw logprob, its rank in the vocabulary
+# (1 + the tokens more likely than it), its top alternatives).
+PromptLogprob = tuple[float, int, TopLogprobs]
 
 
 def _check_int(name: str, value: Any, allowed: str) -> int:
@@ -89,6 +92,10 @@ class SamplingParams:
     # (speculative_ngram_k); 0: never for this request; the worker caps it at its speculative_ngram_max_k.
     # It changes speed only: greedy and seeded outputs are the same with any value.
     speculative_ngram_k: int | None = None
+    # The prompt's log-probabilities (vLLM's prompt_logprobs): for each prompt token after the first, its
+    # raw logprob given the tokens before it and its rank, with this many most likely alternatives.
+    # None: not computed. A request asking for them takes no prefix-cache hits (every position is computed).
+    prompt_logprobs: int | None = None  # None or [0, MAX_TOP_LOGPROBS]
 
     def __post_init__(self) -> None:
         # frozen=True forbids normal assignment; object.__setattr__ stores the normalised values once, here.
@@ -167,12 +174,15 @@ class SamplingParams:
         if not isinstance(self.grammar, str):
             raise ValueError(f"grammar must be a str (an llguidance grammar), got {type(self.grammar).__name__}")
 
-        if self.speculative_ngram_k is not None:
-            allowed = f"None (the server's default) or an int in [0, {MAX_SPECULATIVE_NGRAM_K}]"
-            k = _check_int("speculative_ngram_k", self.speculative_ngram_k, allowed)
-            if not 0 <= k <= MAX_SPECULATIVE_NGRAM_K:
-                raise ValueError(f"speculative_ngram_k must be {allowed}, got {self.speculative_ngram_k!r}")
-            put("speculative_ngram_k", k)
+        for name, most, unset in (("speculative_ngram_k", MAX_SPECULATIVE_NGRAM_K, "None (the server's default)"),
+                                  ("prompt_logprobs", MAX_TOP_LOGPROBS, "None")):
+            value = getattr(self, name)
+            if value is not None:
+                allowed = f"{unset} or an int in [0, {most}]"
+                k = _check_int(name, value, allowed)
+                if not 0 <= k <= most:
+                    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+                put(name, k)
 
     @staticmethod
     def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """Conversions between the shared Python values and the wire's messages, used by both ends.
 
-SamplingParams <-> WireSampling, and each sampled token's logprobs <-> TokenDelta.logprobs.
+SamplingParams <-> WireSampling, each sampled token's logprobs <-> TokenDelta.logprobs, and the prompt's
+<-> TokenDelta.prompt_logprobs.
 Stop strings never travel: the gateway owns the text and applies them itself.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from protos import worker_pb2
-from shared.sampling_params import SamplingParams, TopLogprobs
+from shared.sampling_params import PromptLogprob, SamplingParams, TopLogprobs
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: TopLogprobs = ()
+    rank: int = 0  # of a prompt token: 1 + the tokens more likely than it; 0 where not given
+
 
 
 def sampling_to_wire(params: SamplingParams) -> worker_pb2.WireSampling:
@@ -34,6 +37,8 @@ def sampling_to_wire(params: SamplingParams) -> worker_pb2.WireSampling:
         wire.seed = params.seed
     if params.speculative_ngram_k is not None:
         wire.speculative_ngram_k = params.speculative_ngram_k
+    if params.prompt_logprobs is not None:
+        wire.prompt_logprobs = params.prompt_logprobs
     return wire
 
 
@@ -48,7 +53,8 @@ def sampling_from_wire(wire: worker_pb2.WireSampling) -> SamplingParams:
         presence_penalty=wire.presence_penalty, frequency_penalty=wire.frequency_penalty,
         logit_bias=[(b.token_id, b.bias) for b in wire.logit_bias], min_tokens=wire.min_tokens,
         grammar=wire.grammar,
-        speculative_ngram_k=wire.speculative_ngram_k if wire.HasField("speculative_ngram_k") else None)
+        speculative_ngram_k=wire.speculative_ngram_k if wire.HasField("speculative_ngram_k") else None,
+        prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None)
 
 
 def logprobs_to_wire(logprobs: Sequence[float], top_logprobs: Sequence[TopLogprobs] = ()
@@ -80,5 +86,27 @@ def logprobs_from_wire(delta: worker_pb2.TokenDelta) -> list[TokenLogprob]:
             raise ValueError(f"delta for {delta.request_id!r}: {len(entry.top_token_ids)} top token ids but "
                              f"{len(entry.top_logprobs)} top logprobs")
         out.append(TokenLogprob(token_id=token_id, logprob=entry.logprob,
+                                top=tuple(zip(entry.top_token_ids, entry.top_logprobs))))
+    return out
+
+
+def prompt_logprobs_to_wire(entries: Sequence[PromptLogprob]) -> list[worker_pb2.TokenLogprob]:
+    return [worker_pb2.TokenLogprob(logprob=logprob, rank=rank, top_token_ids=[t for t, _ in top],
+                                    top_logprobs=[lp for _, lp in top]) for logprob, rank, top in entries]
+
+
+def prompt_logprobs_from_wire(delta: worker_pb2.TokenDelta, prompt_ids: Sequence[int]) -> list[TokenLogprob]:
+    """The prompt's entries, one per prompt token after the first (`prompt_ids`, the prompt the request
+    was sent with); raises ValueError for a count that does not match it."""
+    entries = delta.prompt_logprobs
+    if len(entries) != len(prompt_ids) - 1:
+        raise ValueError(f"delta for {delta.request_id!r} has {len(entries)} prompt logprobs for a prompt of "
+                         f"{len(prompt_ids)} tokens")
+    out = []
+    for token_id, entry in zip(prompt_ids[1:], entries):
+        if len(entry.top_token_ids) != len(entry.top_logprobs):
+            raise ValueError(f"delta for {delta.request_id!r}: {len(entry.top_token_ids)} top token ids but "
+                             f"{len(entry.top_logprobs)} top logprobs")
+        out.append(TokenLogprob(token_id=token_id, logprob=entry.logprob, rank=entry.rank,
                                 top=tuple(zip(entry.top_token_ids, entry.top_logprobs))))
     return out

@@ -44,7 +44,7 @@ def test_a_prompt_is_never_taken_for_a_subcommand(calls, argv):
 
 @pytest.mark.parametrize("flag, value", [
     ("--seed", "-1"), ("--logprobs", "-1"), ("--priority", "99999999999"), ("--max-tokens", "3000000000"),
-    ("--top-k", "3000000000"), ("--speculative-ngram-k", "-1"),
+    ("--top-k", "3000000000"), ("--speculative-ngram-k", "-1"), ("--prompt-logprobs", "-1"),
 ])
 def test_a_value_its_proto_field_cannot_hold_is_a_usage_error_naming_the_flag(calls, capsys, flag, value):
     with pytest.raises(SystemExit) as e:
@@ -55,10 +55,12 @@ def test_a_value_its_proto_field_cannot_hold_is_a_usage_error_naming_the_flag(ca
 
 
 def test_values_at_the_fields_bounds_build_a_request(calls):
-    assert client.main(["hi", "--seed", str(2**64 - 1), "--priority", str(-2**31), "--logprobs", "20"]) == 0
+    assert client.main(["hi", "--seed", str(2**64 - 1), "--priority", str(-2**31), "--logprobs", "20",
+                        "--prompt-logprobs", "0"]) == 0
     [(name, args)] = calls
     request = client.build_request(args)
     assert (request.sampling.seed, request.priority, request.sampling.logprobs) == (2**64 - 1, -2**31, 20)
+    assert request.sampling.HasField("prompt_logprobs") and request.sampling.prompt_logprobs == 0
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

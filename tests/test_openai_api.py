@@ -281,3 +281,82 @@ def test_the_end_of_sequence_token_has_no_logprob_entry(client):
                 if c.choices[0].logprobs is not None]
     assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens
     assert [o for lp in streamed for o in lp.text_offset] == whole.logprobs.text_offset
+
+
+# ---- the prompt's log-probabilities -----------------------------------------------------------------
+def _engine_prompt_logprobs(engine, ids: list[int], k: int):
+    return greedy(engine, ids, 1, ignore_eos=True, logprobs=True, top_logprobs=k, prompt_logprobs=k)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, engine, tokenizer):
+    """lm-evaluation-harness's loglikelihood request: token-id prompts in a batch, echo, logprobs 1,
+    max_tokens 1; it reads token_logprobs[context:-1] and compares each with max(top_logprobs)."""
+    prompts = [tokenizer.encode("The quick brown fox jumps"), tokenizer.encode("Hello there, world")]
+    r = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    for ids, choice in zip(prompts, sorted(r.choices, key=lambda c: c.index)):
+        expected = _engine_prompt_logprobs(engine, ids, 1)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before the first
+        scored = [logprob for logprob, _, _ in expected.prompt_logprobs] + expected.logprobs
+        assert lp.token_logprobs[1:] == pytest.approx(scored, abs=1e-5)
+        tops = [top for _, _, top in expected.prompt_logprobs] + expected.top_logprobs
+        assert [list(t.values()) for t in lp.top_logprobs[1:]] == [pytest.approx([v for _, v in top], abs=1e-5)
+                                                                   for top in tops]
+        assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids + expected.token_ids]
+        assert choice.text == tokenizer.decode(ids) + tokenizer.decode(expected.token_ids)
+        # Offsets index the echoed text (whose BOS is not written out), then the generated text.
+        assert [choice.text[o:o + len(t)] for o, t in zip(lp.text_offset[1:], lp.tokens[1:])] == lp.tokens[1:]
+
+
+def test_echo_with_logprobs_streamed_equals_whole(client, tokenizer):
+    fields = dict(model=MODEL, prompt="Once upon a time", echo=True, logprobs=2, max_tokens=5, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**fields).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **fields)]
+    # As vLLM streams it: the prompt comes with the first token, and its log-probabilities with it.
+    assert chunks[0].text.startswith("Once upon a time") and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in chunks) == whole.text
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks if c.logprobs for x in getattr(c.logprobs, name)] == getattr(whole.logprobs, name)
+
+
+def test_vllm_prompt_logprobs_field_and_grpc(client, cluster, engine, tokenizer):
+    ids = tokenizer.encode("Once upon a time there")
+    expected = _engine_prompt_logprobs(engine, ids, 3).prompt_logprobs
+    completion = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                           extra_body={"prompt_logprobs": 3}).choices[0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    for places, prompt_ids, k in ((completion.model_extra["prompt_logprobs"], ids, 3),
+                                  (chat.model_extra["prompt_logprobs"], tokenizer.encode_chat([{"role": "user",
+                                                                                                "content": "hi"}]), 0)):
+        assert len(places) == len(prompt_ids) and places[0] is None
+        for token_id, place in zip(prompt_ids[1:], places[1:]):
+            entry = place[str(token_id)]  # the prompt's token, and the k most likely ranked 1..k
+            assert entry["decoded_token"] == tokenizer.decode([token_id], skip_special_tokens=False)
+            assert entry["rank"] >= 1 and len(place) <= k + 1
+            assert sorted(e["rank"] for t, e in place.items() if t != str(token_id)) == list(range(1, len(place)))
+    for (logprob, rank, top), token_id, place in zip(expected, ids[1:], completion.model_extra["prompt_logprobs"][1:]):
+        assert place[str(token_id)]["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert place[str(token_id)]["rank"] == rank
+        assert {int(t) for t in place} == {token_id, *(t for t, _ in top)}
+
+    from protos import inference_pb2
+    request = inference_pb2.GenerateRequest(prompt_token_ids=ids, sampling=inference_pb2.SamplingOptions(
+        max_tokens=3, temperature=0.0, prompt_logprobs=3, ignore_eos=True))
+    responses = list(cluster.stub.Generate(request, timeout=30))
+    assert [len(r.prompt_logprobs) for r in responses if r.token_ids][0] == len(ids) - 1
+    assert sum(len(r.prompt_logprobs) for r in responses) == len(ids) - 1  # on the first message only
+    entries = next(r.prompt_logprobs for r in responses if r.prompt_logprobs)
+    assert [e.token_id for e in entries] == ids[1:] and [e.rank for e in entries] == [r for _, r, _ in expected]
+    assert [e.logprob for e in entries] == pytest.approx([lp for lp, _, _ in expected], abs=1e-5)
+    assert [[(t.token_id, round(t.logprob, 4)) for t in e.top] for e in entries] == [
+        [(t, round(v, 4)) for t, v in top] for _, _, top in expected]
+
+    for body, message in (({"prompt_logprobs": 2, "stream": True}, "not available with stream"),
+                          ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\]")):
+        with pytest.raises(openai.BadRequestError, match=message) as refused:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=body)
+        assert refused.value.body["param"] == "prompt_logprobs"

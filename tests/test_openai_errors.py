@@ -58,7 +58,7 @@ BAD_BODIES = [
     ("/v1/completions", completion(model="gpt-4"), 404, "gpt-4"),
     ("/v1/completions", completion(n=5), 400, "max_n"),
     ("/v1/completions", completion(logprobs=6), 400, "logprobs"),
-    ("/v1/completions", completion(logprobs=1, echo=True), 400, "echo"),
+    ("/v1/completions", completion(logprobs=1, echo=True, prompt_logprobs=-1), 400, "prompt_logprobs"),
     ("/v1/completions", completion(prompt=""), 400, "empty"),
     ("/v1/completions", completion(prompt=[]), 400, "prompt"),
     ("/v1/completions", completion(prompt=[1, 99999]), 400, "vocabulary"),

@@ -9,7 +9,9 @@ from protos import worker_pb2
 from shared import ipc
 from shared.block_hash import chain_hashes
 from shared.sampling_params import SamplingParams
-from shared.wire import TokenLogprob, logprobs_from_wire, logprobs_to_wire, sampling_from_wire, sampling_to_wire
+from gateway.streams import RequestState
+from shared.wire import (TokenLogprob, logprobs_from_wire, logprobs_to_wire, prompt_logprobs_from_wire,
+                         prompt_logprobs_to_wire, sampling_from_wire, sampling_to_wire)
 from tools.gen_protos import ROOT, generate
 
 
@@ -90,6 +92,22 @@ def test_token_logprobs_round_trip_through_a_delta():
                                                  logprobs=logprobs_to_wire([-1.0])))
     with pytest.raises(ValueError, match="1 logprobs but 2 top-logprob"):
         logprobs_to_wire([-1.0], top)
+
+
+def test_prompt_logprobs_round_trip_and_a_resumed_request_does_not_ask_again():
+    for k in (None, 0, 20):
+        assert sampling_from_wire(sampling_to_wire(SamplingParams(prompt_logprobs=k))).prompt_logprobs == k
+    entries = [(-0.5, 3, ((4, -0.25), (9, -0.5))), (-2.0, 1, ((6, -2.0), (4, -2.5)))]
+    delta = worker_pb2.TokenDelta(request_id="r", new_token_ids=[8], prompt_logprobs=prompt_logprobs_to_wire(entries))
+    decoded = prompt_logprobs_from_wire(worker_pb2.TokenDelta.FromString(delta.SerializeToString()), [1, 9, 6])
+    assert decoded == [TokenLogprob(9, -0.5, entries[0][2], rank=3), TokenLogprob(6, -2.0, entries[1][2], rank=1)]
+    with pytest.raises(ValueError, match="2 prompt logprobs for a prompt of 4 tokens"):
+        prompt_logprobs_from_wire(delta, [1, 9, 6, 5])
+    state = RequestState("r", "r-1", [1, 9, 6], SamplingParams(prompt_logprobs=2), 0, None)
+    assert state.wire_sampling().prompt_logprobs == 2
+    assert state.prompt_logprobs_of(delta) == decoded  # the first delta with tokens carries them
+    state.output_ids.append(8)  # resumed after its first token: they came with it
+    assert not state.wire_sampling().HasField("prompt_logprobs") and state.prompt_logprobs_of(delta) is None
 
 
 def test_wrong_version_and_garbage_are_refused():

@@ -158,6 +158,10 @@ INVALID = [
     ({"top_logprobs": 2.0, "logprobs": True}, ["top_logprobs", "got 2.0", "int"]),
     ({"top_logprobs": "2", "logprobs": True}, ["top_logprobs", "got '2'"]),
     ({"top_logprobs": 2}, ["top_logprobs=2", "logprobs=True", "logprobs=False"]),
+    ({"prompt_logprobs": 21}, ["prompt_logprobs", "got 21", "[0, 20]"]),
+    ({"prompt_logprobs": -1}, ["prompt_logprobs", "got -1", "[0, 20]"]),
+    ({"prompt_logprobs": True}, ["prompt_logprobs", "got True"]),
+    ({"speculative_ngram_k": 33}, ["speculative_ngram_k", "got 33", "the server's default", "[0, 32]"]),
 ]
 
 

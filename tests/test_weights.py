@@ -30,7 +30,7 @@ def _our_last_logits(path, ids):
     step = SequenceStep(ids.tolist(), 0, engine.block_manager.block_table("x"), True,
                         SamplingParams(temperature=0.0), None, ids.tolist())
     with torch.inference_mode():
-        input_ids, positions, meta, logits_indices, _ = runner._prepare([step])
+        input_ids, positions, meta, logits_indices, *_ = runner._prepare([step])
         hidden = model(input_ids, positions, runner.kv_caches, meta)
         return model.compute_logits(hidden[logits_indices])[0]
 

@@ -14,7 +14,7 @@ import pytest
 from protos import worker_pb2
 from shared.block_hash import chain_hashes
 from shared.ipc import decode, encode
-from shared.wire import logprobs_from_wire, sampling_to_wire
+from shared.wire import logprobs_from_wire, prompt_logprobs_from_wire, sampling_to_wire
 from worker.engine import SamplingParams
 from worker_service_harness import GREEDY, PROMPTS, curve_router, drain, make_service, reference_outputs, submit
 
@@ -72,7 +72,7 @@ def test_memory_report_probe_returns_the_resident_set_and_the_kv_pool_layout(lla
 def test_deltas_carry_the_logprobs_asked_for_on_the_wire(llama_dir):
     service = make_service(llama_dir)
     with_top = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3,
-                              presence_penalty=0.5, logit_bias={9: 1.0})
+                              presence_penalty=0.5, logit_bias={9: 1.0}, prompt_logprobs=2)
     chosen_only = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
     submit(service, "top", PROMPTS["p0"], with_top)
     submit(service, "chosen", PROMPTS["p1"], chosen_only)
@@ -93,6 +93,12 @@ def test_deltas_carry_the_logprobs_asked_for_on_the_wire(llama_dir):
         assert [e.token_id for e in got] == expected.token_ids
         assert [e.logprob for e in got] == pytest.approx(expected.logprobs, abs=1e-6)
         if request_id == "top":
+            # The prompt's, once, with the first token (as float32).
+            assert [bool(d.prompt_logprobs) for d in mine if d.new_token_ids] == [True] + [False] * 5
+            prompt = prompt_logprobs_from_wire(mine[0], PROMPTS["p0"])
+            assert [(e.rank, e.top) for e in prompt] == [(r, tuple((t, pytest.approx(v, abs=1e-6)) for t, v in top))
+                                                         for _, r, top in expected.prompt_logprobs]
+            assert [e.logprob for e in prompt] == pytest.approx([v for v, _, _ in expected.prompt_logprobs], abs=1e-6)
             assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in top] for top in expected.top_logprobs]
             assert [lp for e in got for _, lp in e.top] == pytest.approx(
                 [lp for top in expected.top_logprobs for _, lp in top], abs=1e-6)

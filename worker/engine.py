@@ -26,6 +26,7 @@ from worker.engine_builder import EngineParts, build_engine
 from worker.memory import KVUsage
 from worker.model_runner import OutOfMemory, SequenceStep
 from worker.outputs import RequestDelta, RequestOutput, delta_for
+from worker.prompt_logprobs import PromptScoring, scoring_for
 from worker.request import Request, RequestStatus
 from worker.sampler import make_generator, token_seed
 from worker.scheduled_step import ScheduledRequest, StepFailure
@@ -79,6 +80,8 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._aborted: list[Request] = []
         self._ids = itertools.count()
+        # This step's requests scoring prompt positions: (index in the step, request, its positions).
+        self._scoring: list[tuple[int, Request, PromptScoring]] = []
         self.num_steps = 0  # steps that ran a forward
         self._bytes_per_block = sum(k[0].nbytes + v[0].nbytes for k, v in self.kv_caches)
 
@@ -175,6 +178,8 @@ class Engine:
         if runner.num_oom_recoveries != num_oom_recoveries:  # only then can a result be OutOfMemory
             results = [self._failure(item, seq, r) if isinstance(r, OutOfMemory) else r
                        for item, seq, r in zip(scheduled, seqs, results)]
+        if self._scoring:
+            self._keep_prompt_logprobs(results)
         generators = self._generators
         for update in self.scheduler.update(scheduled, results):
             request = update.request
@@ -188,8 +193,11 @@ class Engine:
         """The runner's view of each scheduled request's share of the step, in order."""
         generators, block_table = self._generators, self.block_manager.block_table
         seqs = []
-        for item in scheduled:
+        self._scoring.clear()
+        for index, item in enumerate(scheduled):
             r = item.request
+            if r.params.prompt_logprobs is not None and r.scores_prompt:
+                self._score_prompt(index, r, item.num_new_tokens)
             start = r.num_computed_tokens
             generator = generators.get(r.request_id) if generators else None
             draft = item.draft_token_ids
@@ -212,7 +220,26 @@ class Engine:
                 token_seed(seed, num_outputs), r.output_token_ids, r.eos_token_ids, r.constraint, draft,
                 # Each position's randomness is (seed, output index), as without a draft: the same tokens either way.
                 [token_seed(seed, num_outputs + j) for j in range(1, len(draft) + 1)]))
+        for index, request, scoring in self._scoring:
+            seqs[index].prompt_scoring = scoring
         return seqs
+
+    def _score_prompt(self, index: int, request: Request, num_new: int) -> None:
+        """Note the prompt positions of this step that the request scores (prompt_logprobs), if any."""
+        scoring = scoring_for(request.prompt_token_ids, len(request.prompt_logprobs), request.num_computed_tokens,
+                              num_new, request.params.prompt_logprobs)
+        if scoring is not None:
+            self._scoring.append((index, request, scoring))
+
+    def _keep_prompt_logprobs(self, results: list) -> None:
+        """Each scoring request's new prompt entries, in position order; one whose logits were not finite fails."""
+        for index, request, scoring in self._scoring:
+            if isinstance(results[index], StepFailure):
+                continue
+            if scoring.entries is None:
+                results[index] = StepFailure(scoring.error or "its prompt positions were not scored")
+            elif scoring.position == len(request.prompt_logprobs):
+                request.prompt_logprobs += scoring.entries
 
     @staticmethod
     def _failure(item: ScheduledRequest, seq: SequenceStep, result: OutOfMemory) -> StepFailure:

@@ -12,18 +12,21 @@ import gc
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
-from shared.sampling_params import SamplingParams, TopLogprobs
 from worker.decode_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 from worker.model.attention import AttentionMetadata, paged_attention
 from worker.model.cpu_fast_path import CpuFastPath
 from worker.model.transformer import Transformer
-from worker.sampler import Sampler, SamplerOutput, SamplingBatch
+from worker.prompt_logprobs import PromptScoring, score_prompt_positions
+from worker.sampler import Sampler, SamplerOutput
 from worker.scheduled_step import StepFailure
+from worker.sequence_step import SampledToken, SequenceStep, sampling_batch
+
+__all__ = ["ModelRunner", "OutOfMemory", "SampledToken", "SequenceStep", "sampling_batch"]
 
 log = logging.getLogger(__name__)
 # The CPU allocator reports exhaustion as a plain RuntimeError carrying this text.
@@ -36,83 +39,10 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _CPU_OOM_TEXT in str(error)
 
 
-# A sampled sequence's result: (token id, raw logprob, top logprobs); the last two are None when its
-# request did not ask for them (then none were computed for it).
-SampledToken = tuple[int, float | None, TopLogprobs | None]
-
-
 @dataclass(frozen=True)
 class OutOfMemory:
     """The result of a sequence that ran out of memory even in a step of its own."""
     error: str
-
-
-@dataclass(slots=True)
-class SequenceStep:
-    """One sequence's share of a step, as the runner needs it."""
-
-    new_token_ids: Sequence[int]  # the tokens computed this step
-    context_len: int  # tokens already in the cache
-    block_table: list[int]
-    needs_sample: bool  # this step reaches the sequence's last known token
-    params: SamplingParams
-    generator: torch.Generator | None
-    token_history: Sequence[int]  # prompt + output, for repetition penalty
-    # The generator's seed for this step's token: set again before every attempt, so a step
-    # retried after an out-of-memory error draws exactly what the first attempt would have.
-    seed: int | None = None
-    # Generated tokens only, resumed ones included: what presence/frequency penalties count and
-    # min_tokens compares with (the request's own list, not a copy: read, never kept).
-    output_token_ids: Sequence[int] = ()
-    eos_token_ids: Sequence[int] = ()  # banned, with stop_token_ids, while under min_tokens
-    constraint: Any = None  # structured output: the request's worker/constraints.Constraint
-    # Speculative decoding: the last len(draft_token_ids) of new_token_ids are a draft to verify, and
-    # the step samples at the position after each new token, not only the last (1 + len(draft) tokens);
-    # draft_seeds are the seeds of the tokens after the first (set when `seed` is).
-    draft_token_ids: Sequence[int] = ()
-    draft_seeds: Sequence[int] = ()
-
-    @property
-    def num_samples(self) -> int:
-        return (1 + len(self.draft_token_ids)) if self.needs_sample else 0
-
-
-def sampling_batch(seqs: list[SequenceStep]) -> SamplingBatch:
-    """The sampler's rows for the sampled sequences, in order: one per sequence, or 1 + len(draft) for a
-    sequence verifying a draft. Row j of a draft sees the sequence as if the draft's first j tokens had
-    been taken (its histories for penalties and min_tokens, its seed), so it samples exactly what an
-    unspeculated step at that position would; histories are extended only for rows that read them."""
-    # One tuple per row, in SamplingBatch's field order, transposed into the fields at the end: one
-    # append per row rather than one per field.
-    rows = []
-    for s in seqs:
-        draft = s.draft_token_ids
-        if not draft:
-            # The common row (no draft): the sequence as it stands, without the per-position copies below.
-            if s.needs_sample:
-                rows.append((s.params, s.generator, s.token_history, s.output_token_ids, s.eos_token_ids,
-                             s.constraint, s.seed))
-            continue
-        if s.constraint is not None:
-            # One matcher state cannot mask several positions; the engine never drafts for these.
-            raise ValueError("a constrained sequence cannot verify a draft")
-        p = s.params
-        reads_history = p.repetition_penalty != 1.0
-        reads_outputs = bool(p.presence_penalty or p.frequency_penalty or p.min_tokens)
-        row_seeds = [s.seed, *s.draft_seeds] if s.seed is not None else [None] * s.num_samples
-        for j in range(s.num_samples):
-            prefix = draft[:j]
-            rows.append((p, s.generator,
-                         [*s.token_history, *prefix] if prefix and reads_history else s.token_history,
-                         [*s.output_token_ids, *prefix] if prefix and reads_outputs else s.output_token_ids,
-                         s.eos_token_ids, None, row_seeds[j]))
-    if not rows:
-        return SamplingBatch(params=[], generators=[], token_histories=[], output_token_ids=[], eos_token_ids=[])
-    params, generators, histories, outputs, eos, constraints, seeds = map(list, zip(*rows))
-    num_rows = len(rows)
-    return SamplingBatch(params=params, generators=generators, token_histories=histories, output_token_ids=outputs,
-                         eos_token_ids=eos, constraints=constraints if constraints.count(None) != num_rows else None,
-                         seeds=seeds if seeds.count(None) != num_rows else None)
 
 
 class ModelRunner:
@@ -283,7 +213,8 @@ class ModelRunner:
         """The step of `seqs` (in step order): the positions of the sequences that sample, and the
         sampler's output for their rows (None when none samples)."""
         graphs = self.decode_graphs
-        # A graph's step: every sequence samples each token it brings (one, or one and its draft).
+        # A graph's step: every sequence samples each token it brings (one, or one and its draft). None scores
+        # its prompt: a step that reaches the last known token brings no prompt position with a token after it.
         if graphs is not None and all(s.needs_sample and len(s.new_token_ids) == 1 + len(s.draft_token_ids)
                                       for s in seqs):
             most = max(len(s.new_token_ids) for s in seqs)
@@ -291,13 +222,15 @@ class ModelRunner:
                 logits = graphs.run([s.new_token_ids for s in seqs], [s.context_len for s in seqs],
                                     [s.block_table for s in seqs])
                 return list(range(len(seqs))), self.sampler(logits, sampling_batch(seqs))
-        input_ids, positions, meta, logits_indices, sampled = self._prepare(seqs)
+        input_ids, positions, meta, logits_indices, sampled, scored = self._prepare(seqs)
         # Read once: the fast path and the modules compute the same step, logits included.
         computes = self.fast_path if self.fast_path is not None else self.model
         if computes is self.model:  # called as a module, so forward hooks fire
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attention_fn)
         else:
             hidden = computes.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if scored:
+            score_prompt_positions(hidden, scored, computes.compute_logits, self.model.config.vocab_size)
         if not sampled:
             return sampled, None
         num_samples = len(logits_indices)
@@ -317,6 +250,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_indices, sampled = [], []
+        scored: list[tuple[int, PromptScoring]] = []  # (the row of its first new token, its prompt positions)
         tables, context_lens, query_lens = [], [], []
         for j, seq in enumerate(seqs):
             new, start = seq.new_token_ids, seq.context_len
@@ -324,6 +258,8 @@ class ModelRunner:
             tables.append(seq.block_table)
             context_lens.append(start)
             query_lens.append(num_new)
+            if seq.prompt_scoring is not None:
+                scored.append((len(input_ids), seq.prompt_scoring))
             if num_new == 1:  # a decode: no range to build
                 input_ids.append(new[0])
                 positions.append(start)
@@ -344,7 +280,8 @@ class ModelRunner:
                              f"its logits buffer holds (a draft longer than speculative_ngram_max_k?)")
         meta = AttentionMetadata.build(tables, context_lens, query_lens, self.block_size, put=self._stage)
         # logits_indices stay a list: a step that samples every token needs no gather, so no tensor.
-        return self._stage("input_ids", input_ids), self._stage("positions", positions), meta, logits_indices, sampled
+        return (self._stage("input_ids", input_ids), self._stage("positions", positions), meta, logits_indices, sampled,
+                scored)
 
     def index_buffers(self) -> None:
         """(Re)build the views a step reaches its buffers through; called again by whatever

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from shared.sampling_params import TopLogprobs
+from shared.sampling_params import PromptLogprob, TopLogprobs
 from worker.request import FINISH_REASONS, Request
 
 
@@ -31,6 +31,8 @@ class RequestOutput:
     # Speculative decoding on this worker: draft tokens verified, and how many sampling confirmed.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # params.prompt_logprobs: one entry per prompt token after the first (raw logprob, rank, top alternatives).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, and a delta is built
@@ -57,6 +59,9 @@ class RequestDelta:
     # Speculative decoding in this step: draft tokens verified, and how many sampling confirmed.
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # On the delta of the first token sampled here, when the request asked for prompt_logprobs (and has not
+    # reported them): the prompt's entries, one per prompt token after the first.
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings: bool = False,
@@ -67,13 +72,16 @@ def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings:
         worker_queue_ms = (request.first_scheduled_s - request.arrival_s) * 1e3
         prefill_ms = (request.first_token_s - request.first_scheduled_s) * 1e3
     num_new = len(new_token_ids)
-    new_logprobs, new_top_logprobs = [], []
+    new_logprobs, new_top_logprobs, prompt_logprobs = [], [], None
     if num_new:
         params = request.params
         if params.logprobs and request.output_logprobs:
             new_logprobs = request.output_logprobs[-num_new:]
         if params.top_logprobs and request.output_top_logprobs:
             new_top_logprobs = request.output_top_logprobs[-num_new:]
+        if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
     status = request.status
     finished = status.is_finished
     # Arguments in the fields' order: keywords would cost every delta of every step more again.
@@ -81,7 +89,7 @@ def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings:
                         len(request.prompt_token_ids), request.num_cached_tokens, request.num_preemptions,
                         request.error, worker_queue_ms, prefill_ms, request.peak_num_blocks,
                         final_output(request) if finished else None, new_top_logprobs, num_draft_tokens,
-                        num_accepted_draft_tokens)
+                        num_accepted_draft_tokens, prompt_logprobs)
 
 
 def final_output(request: Request) -> RequestOutput:
@@ -99,4 +107,5 @@ def final_output(request: Request) -> RequestOutput:
         peak_kv_blocks=request.peak_num_blocks,
         num_draft_tokens=speculation.num_draft_tokens if speculation is not None else 0,
         num_accepted_draft_tokens=speculation.num_accepted_tokens if speculation is not None else 0,
+        prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
     )

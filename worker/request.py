@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling_params import SamplingParams, TopLogprobs
+from shared.sampling_params import PromptLogprob, SamplingParams, TopLogprobs
 from worker.speculative import NgramSpeculation
 
 
@@ -62,12 +62,29 @@ class Request:
     constraint: Any = None
     # Speculative decoding by prompt lookup: its draft proposer, None when the request does not speculate.
     speculation: NgramSpeculation | None = None
+    # params.prompt_logprobs: the entries of prompt tokens 1, 2, ... scored so far (worker/prompt_logprobs.py),
+    # and whether they have been reported (with the first token sampled here).
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list so a step never concatenates. Output tokens given at
         # construction resume a request another worker started.
         self.output_token_ids = list(self.output_token_ids)
         self.token_ids: list[int] = list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt_logprobs and some prompt positions are still to score."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most tokens it may take from the prefix cache: all but its last (whose logits give the next
+        token), and no position it has still to score."""
+        if self.scores_prompt:
+            return min(self.num_tokens - 1, len(self.prompt_logprobs))
+        return self.num_tokens - 1
 
     @property
     def num_tokens(self) -> int:

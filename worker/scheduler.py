@@ -166,8 +166,7 @@ class Scheduler:
                     position += 1
                     continue
             if not self.blocks.has_request(request.request_id):
-                # Leave at least one token to compute: its logits give the next token.
-                cached = self.blocks.allocate_prefix(request.request_id, request.token_ids, request.num_tokens - 1)
+                cached = self.blocks.allocate_prefix(request.request_id, request.token_ids, request.max_cached_tokens)
                 request.num_computed_tokens = cached
                 if request.status == RequestStatus.WAITING:
                     request.num_cached_tokens = cached
@@ -202,8 +201,8 @@ class Scheduler:
         if not leaders:
             return False
         block_size = self.blocks.block_size
-        # The blocks allocate_prefix may hand it: full blocks within all but its last token.
-        num_cacheable = (request.num_tokens - 1) // block_size
+        # The blocks allocate_prefix may hand it.
+        num_cacheable = request.max_cached_tokens // block_size
         if num_cacheable == 0:
             return False
         hashes = self._hashes(request)

@@ -34,7 +34,7 @@ from shared.engine_config import EngineConfig
 from shared.ipc import WorkerSocket, new_incarnation
 from shared.model_fingerprint import model_fingerprint
 from shared.sampling_params import SamplingParams
-from shared.wire import logprobs_to_wire, sampling_from_wire
+from shared.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_from_wire
 from worker.engine import Engine, RequestDelta
 from worker.memory import MemoryReader, MemoryReading
 from worker.scheduler import RequestRejectedError
@@ -285,6 +285,8 @@ class WorkerService:
                 num_preemptions=out.num_preemptions, peak_kv_blocks=out.peak_kv_blocks)
             if out.new_logprobs:
                 delta.logprobs.extend(logprobs_to_wire(out.new_logprobs, out.new_top_logprobs))
+            if out.prompt_logprobs:
+                delta.prompt_logprobs.extend(prompt_logprobs_to_wire(out.prompt_logprobs))
             deltas.append(delta)
         if deltas:
             self.socket.send(worker_pb2.Envelope(outputs=worker_pb2.StepOutputs(deltas=deltas, step_ms=step_ms)))

@@ -1,0 +1,96 @@
+"""The prompt's log-probabilities (vLLM's `prompt_logprobs`): which positions of a step a request
+scores, and scoring them from the step's hidden states.
+
+The hidden state at prompt position p (0 <= p < P - 1) gives the entry of prompt token p + 1: its raw
+log-probability (log_softmax of the model's logits there, as a sampled token's), its rank in the
+vocabulary (1 + the tokens more likely than it) and the most likely alternatives. A request keeps its
+entries by position (`Request.prompt_logprobs`), so a prefill computed again after a preemption
+scores nothing twice, and takes no prefix-cache hits past the entries it has
+(`Request.max_cached_tokens`): a cached position has no hidden state to score.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from shared.sampling_params import PromptLogprob, TopLogprobs
+from worker.sampler import top_logprobs
+
+# Bytes of float32 logits scored at once: a prompt of any length holds at most this much of them (and a
+# quarter as much again of comparisons) beyond what the KV pool was sized around.
+SCORE_BYTES = 32 * 2**20
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """One sequence's prompt positions to score in a step, and (once the runner has) their entries."""
+    first: int  # where they start among the sequence's new tokens of the step
+    position: int  # the prompt position of the first
+    targets: Sequence[int]  # the prompt token each position predicts (the one after it)
+    num_top: int  # alternatives per entry
+    entries: list[PromptLogprob] | None = None
+    error: str = ""  # set instead of entries when the logits were not finite
+
+
+def scoring_for(prompt_token_ids: Sequence[int], num_scored: int, start: int, num_new: int,
+                num_top: int) -> PromptScoring | None:
+    """The positions in [start, start + num_new) not yet scored (the first `num_scored` are) that have a
+    prompt token after them; None when there are none."""
+    first = max(start, num_scored)
+    stop = min(start + num_new, len(prompt_token_ids) - 1)
+    if first >= stop:
+        return None
+    return PromptScoring(first - start, first, prompt_token_ids[first + 1:stop + 1], num_top)
+
+
+def score_prompt_positions(hidden: torch.Tensor, scored: list[tuple[int, PromptScoring]],
+                           compute_logits: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> None:
+    """Fill each PromptScoring's entries from `hidden` [T, H], the step's hidden states; `scored` pairs
+    each with the row of its sequence's first new token."""
+    rows: list[int] = []
+    targets: list[int] = []
+    for row, scoring in scored:
+        start = row + scoring.first
+        rows.extend(range(start, start + len(scoring.targets)))
+        targets.extend(scoring.targets)
+    device = hidden.device
+    logprobs, ranks, tops = [], [], []
+    num_top = max(s.num_top for _, s in scored)
+    chunk = max(1, SCORE_BYTES // (4 * vocab_size))
+    for begin in range(0, len(rows), chunk):
+        index = torch.tensor(rows[begin:begin + chunk], device=device)
+        target = torch.tensor(targets[begin:begin + chunk], device=device).unsqueeze(1)
+        logits = compute_logits(hidden.index_select(0, index)).float()  # [R, V]
+        # logit - logsumexp is log_softmax's value without writing out the [R, V] of them.
+        log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
+        chosen = logits.gather(1, target)  # [R, 1]
+        logprobs += (chosen - log_total).squeeze(1).tolist()
+        ranks += (torch.gt(logits, chosen).sum(dim=1, dtype=torch.int32) + 1).tolist()
+        if num_top:
+            tops += _top_logprobs(logits, log_total, num_top)
+    at = 0
+    for _, scoring in scored:
+        n = len(scoring.targets)
+        values = logprobs[at:at + n]
+        if not all(v == v and v != float("inf") for v in values):  # NaN or +inf: an activation overflowed
+            scoring.error = "the model's logits over this request's prompt are not finite (NaN or inf)"
+        else:
+            k = scoring.num_top
+            scoring.entries = [(values[i], ranks[at + i], tops[at + i][:k] if k else ()) for i in range(n)]
+        at += n
+
+
+def _top_logprobs(logits: torch.Tensor, log_total: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """Each row's k most likely (token id, logprob), by descending logprob, ties by ascending id (the
+    sampler's rule, worker/sampler.py top_logprobs)."""
+    values, ids = torch.topk(logits, min(k + 1, logits.shape[1]), dim=-1)  # [R, k + 1], descending
+    # Where the k + 1 largest hold no tie, the k are the only ones and their order is the only one; a row
+    # with a tie takes the sampler's exact rule.
+    tied = (values[:, 1:] == values[:, :-1]).any(dim=1).nonzero().flatten().tolist()
+    values, ids = (values[:, :k] - log_total).tolist(), ids[:, :k].tolist()
+    out = [tuple(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
+    for r in tied:
+        out[r] = top_logprobs(logits[r] - log_total[r], k)
+    return out
