@@ -80,17 +80,15 @@ def test_deadline_mid_stream_is_deadline_exceeded(served_checkpoint):
     # instant; whichever wins, the count must say what the client saw. Sixteen streams whose
     # deadlines pass together, four times: the old miscount (CANCELLED or UNKNOWN) was such a race.
     sections = {"worker": {"max_num_seqs": 32, "max_queued": 0}}
-    with FakeCluster(served_checkpoint, step_ms=2, sections=sections) as cluster:
+    # 20 ms steps: 32 streams at 1,600 tokens/s leave the gateway time to spare even on a loaded host
+    # (at 2 ms, 16,000 tokens/s to detokenize kept a starved gateway from noticing the deadlines for seconds).
+    with FakeCluster(served_checkpoint, step_ms=20, sections=sections) as cluster:
         before = cluster.metrics()
         ids = [f"acct-deadline-{i}" for i in range(64)]
         codes = {}
 
-        # 8 s of tokens at this step time: the deadline passes mid-stream even where a loaded host
-        # fires the gateway's timer late (LONG's 400 tokens took 0.8 s here, and one ran out first).
-        longer = {**LONG, "max_tokens": 4000}
-
-        def client(rid):
-            codes[rid] = outcome(cluster.stub.Generate(request(request_id=rid, sampling=longer), timeout=0.5))
+        def client(rid):  # LONG: 8 s of tokens, so the deadline passes mid-stream
+            codes[rid] = outcome(cluster.stub.Generate(request(request_id=rid, sampling=LONG), timeout=0.5))
 
         for group in (ids[i:i + 16] for i in range(0, len(ids), 16)):
             threads = [threading.Thread(target=client, args=(rid,)) for rid in group]
