@@ -67,6 +67,9 @@ class Presentation:
     # Special tokens are written into the text, so each has its log-probability entry too.
     keep_special_tokens: bool = False
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, with this many alternatives
+    # A completion's echo with max_tokens 0 (vLLM's): the answer is the prompt alone. Its one generated token
+    # (the forward that scores the prompt samples one anyway) is left out of the text, lists and usage.
+    echo_only: bool = False
 
     @property
     def echo_logprobs(self) -> bool:
@@ -77,7 +80,9 @@ class Presentation:
 def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple[list[inference_pb2.GenerateRequest],
                                                                                   Presentation]:
     prompts = _prompts(body.prompt, limits)
-    sampling = _sampling(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs", MAX_COMPLETION_LOGPROBS)
+    echo_only = body.echo and body.max_tokens == 0  # vLLM's: the prompt echoed (and scored), nothing generated
+    sampling = _sampling(body, 1 if echo_only else body.max_tokens, "max_tokens", body.logprobs, "logprobs",
+                         MAX_COMPLETION_LOGPROBS)
     if body.echo and body.logprobs is not None:  # the echoed prompt's tokens have theirs too
         sampling.prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
     constraint, constraint_field = _constraint(body)
@@ -94,7 +99,8 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
                 raise BadRequest("prompt token ids must be in [0, 2**32)", "prompt")
             request.prompt_token_ids.extend(prompt)
         requests.append(request)
-    return requests, _presentation(body, body.echo, body.logprobs, limits, constraint_field)
+    presentation = _presentation(body, body.echo, body.logprobs, limits, constraint_field)
+    return requests, dataclasses.replace(presentation, echo_only=True) if echo_only else presentation
 
 
 def chat_request(body: ChatCompletionRequest, limits: GatewayConfig, tool_parser: str | None = None,

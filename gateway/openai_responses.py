@@ -133,16 +133,18 @@ class ResponseBuilder:
                    "logprobs": chat_logprobs(c.logprobs, self.texts) if p.logprobs is not None else None,
                    "finish_reason": _finish(c, bool(calls))}
         else:
-            logprobs = completion_logprobs(c.logprobs, self.texts, len(c.prefix)) if p.logprobs is not None else None
-            out = {"index": c.index, "text": c.prefix + c.text,
+            generated = not p.echo_only
+            logprobs = (completion_logprobs(c.logprobs if generated else [], self.texts, len(c.prefix))
+                        if p.logprobs is not None else None)
+            out = {"index": c.index, "text": c.prefix + (c.text if generated else ""),
                    "logprobs": joined(self._echoed(c), logprobs) if p.echo_logprobs else logprobs,
-                   "finish_reason": c.finish_reason}
+                   "finish_reason": c.finish_reason if generated else "length"}
             if p.return_token_ids:
                 out["prompt_token_ids"] = list(c.state.prompt_ids)
             if p.prompt_logprobs is not None:
                 out["prompt_logprobs"] = self._prompt_logprobs(c)
         if p.return_token_ids:
-            out["token_ids"] = list(c.token_ids)
+            out["token_ids"] = [] if p.echo_only and not self.chat else list(c.token_ids)
         return out
 
     # ---- streamed chunks ----------------------------------------------------------------------------
@@ -188,7 +190,10 @@ class ResponseBuilder:
                      "logprobs": chat_logprobs(logprobs, self.texts) if p.logprobs is not None else None,
                      "finish_reason": c.finish_reason}
         else:
-            entry = {"index": c.index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
+            if p.echo_only:  # its one token is not the answer's (see Presentation.echo_only)
+                text, token_ids, logprobs = "", [], []
+            entry = {"index": c.index, "text": text, "logprobs": None,
+                     "finish_reason": "length" if p.echo_only and c.finish_reason else c.finish_reason}
             if p.logprobs is not None:
                 # Counted the way the whole answer counts it: the echo, then each token's own text.
                 first = c.logprob_offset < 0
@@ -252,7 +257,10 @@ class ResponseBuilder:
 
     def _usage(self, choices: list[Choice]) -> dict:
         thinking = sum(map(self.reasoning_tokens, choices)) if self.presentation.reasoning else None
-        return usage(choices, self.presentation.n, thinking)
+        body = usage(choices, self.presentation.n, thinking)
+        if self.presentation.echo_only:
+            body.update(completion_tokens=0, total_tokens=body["prompt_tokens"])
+        return body
 
     def reasoning_tokens(self, c: Choice) -> int:
         """How many of a finished choice's tokens are its thinking: those up to the one that

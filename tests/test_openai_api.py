@@ -360,3 +360,26 @@ def test_vllm_prompt_logprobs_field_and_grpc(client, cluster, engine, tokenizer)
         with pytest.raises(openai.BadRequestError, match=message) as refused:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=body)
         assert refused.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_with_max_tokens_0_answers_the_scored_prompt_alone(client, engine, tokenizer):
+    """vLLM's scoring form: echo, logprobs and max_tokens 0 answer the prompt and its log-probabilities,
+    nothing generated (whole and streamed)."""
+    ids = tokenizer.encode("The quick brown fox")
+    expected = _engine_prompt_logprobs(engine, ids, 2).prompt_logprobs
+    fields = dict(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=0,
+                  extra_body={"return_token_ids": True})
+    r = client.completions.create(**fields)
+    choice = r.choices[0]
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length" and choice.token_ids == []
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _, _ in expected], abs=1e-5)
+    assert r.usage.completion_tokens == 0 and r.usage.total_tokens == r.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **fields))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [x for c in chunks if c.choices and c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)  # without echo there is nothing to answer
