@@ -35,7 +35,6 @@ from gateway.workers import WorkerHandle, WorkerRegistry
 from protos import worker_pb2
 from shared.config import ClusterConfig
 from shared.ipc import GatewaySocket, WireError, bind_gateway_socket, decode
-from shared.wire import logprobs_from_wire
 
 log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.05
@@ -209,8 +208,7 @@ class Dispatcher:
                     self._itl_by_bucket[state.bucket].observe((now - state.last_token_s) / len(delta.new_token_ids))
                 self.metrics.generation_tokens.inc(len(delta.new_token_ids))
                 self.registry.note_tokens(worker_id, state.internal_id, len(delta.new_token_ids))
-            logprobs = logprobs_from_wire(delta) if delta.logprobs else None
-            stopped = state.on_tokens(list(delta.new_token_ids), now, logprobs, state.prompt_logprobs_of(delta))
+            stopped = state.on_delta(delta, now)
             if stopped:
                 self._forget(state)
                 self._send_abort(worker_id, [state.internal_id])

@@ -97,6 +97,11 @@ class ResponseBuilder:
         self.request_id, self.model, self.chat = request_id, model, chat
         self.presentation = presentation
         self.texts = texts.showing_special() if presentation.keep_special_tokens else texts
+        # The echoed prompt's offsets count what the echo writes (its special tokens are not); the generated
+        # tokens' lists, with an echo's scores, keep a place for every token (EOS too), as the prompt's do,
+        # so place i is token i of prompt + output (lm-evaluation-harness indexes them so).
+        self._echo_texts = texts
+        self._output_texts = texts.showing_special() if presentation.echo_logprobs else self.texts
         self.created = int(time.time())
         self._started: set[int] = set()
         self._readers: dict[int, CallReader] = {}  # tool_choice "auto": each streamed choice's calls
@@ -120,7 +125,7 @@ class ResponseBuilder:
                                     self.texts)
 
     def _echoed(self, c: Choice) -> dict:
-        return echoed_logprobs(c.state.prompt_ids, c.prompt_logprobs, self.presentation.logprobs, self.texts)
+        return echoed_logprobs(c.state.prompt_ids, c.prompt_logprobs, self.presentation.logprobs, self._echo_texts)
 
     def _choice(self, c: Choice) -> dict:
         p = self.presentation
@@ -134,7 +139,7 @@ class ResponseBuilder:
                    "finish_reason": _finish(c, bool(calls))}
         else:
             generated = not p.echo_only
-            logprobs = (completion_logprobs(c.logprobs if generated else [], self.texts, len(c.prefix))
+            logprobs = (completion_logprobs(c.logprobs if generated else [], self._output_texts, len(c.prefix))
                         if p.logprobs is not None else None)
             out = {"index": c.index, "text": c.prefix + (c.text if generated else ""),
                    "logprobs": joined(self._echoed(c), logprobs) if p.echo_logprobs else logprobs,
@@ -198,7 +203,7 @@ class ResponseBuilder:
                 # Counted the way the whole answer counts it: the echo, then each token's own text.
                 first = c.logprob_offset < 0
                 offset = len(c.prefix) if first else c.logprob_offset
-                entry["logprobs"] = completion_logprobs(logprobs, self.texts, offset)
+                entry["logprobs"] = completion_logprobs(logprobs, self._output_texts, offset)
                 c.logprob_offset = offset + sum(len(t) for t in entry["logprobs"]["tokens"])
                 if first and p.echo_logprobs:
                     entry["text"], entry["logprobs"] = c.prefix + text, joined(self._echoed(c), entry["logprobs"])

@@ -41,6 +41,9 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 # and a client's own deadline fires first by the time its request took to arrive, which on a loaded
 # host reaches tens of milliseconds.
 _DEADLINE_SLACK_S = 0.1
+# Prompt log-probabilities per message at most: with 20 alternatives an entry is about 220 bytes, and gRPC's
+# default limit on a message a client takes is 4 MiB.
+PROMPT_LOGPROBS_PER_MESSAGE = 4096
 _FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH,
            "abort": inference_pb2.FINISH_REASON_ABORT, "error": inference_pb2.FINISH_REASON_ERROR}
 
@@ -58,6 +61,20 @@ def _response(state: RequestState, events: list[StreamEvent]) -> inference_pb2.G
         response.prompt_logprobs.add(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
                                      top=[inference_pb2.TopLogprob(token_id=t, logprob=p) for t, p in entry.top])
     return response
+
+
+def _prompt_pieces(response: inference_pb2.GenerateResponse) -> list[inference_pb2.GenerateResponse]:
+    """Messages carrying all but the last PROMPT_LOGPROBS_PER_MESSAGE of `response`'s prompt log-probabilities,
+    in order (it keeps those last ones): a long prompt's would pass gRPC's default message limit in one."""
+    entries = response.prompt_logprobs
+    if len(entries) <= PROMPT_LOGPROBS_PER_MESSAGE:
+        return []
+    pieces = [list(entries[i:i + PROMPT_LOGPROBS_PER_MESSAGE])
+              for i in range(0, len(entries), PROMPT_LOGPROBS_PER_MESSAGE)]
+    del entries[:]
+    entries.extend(pieces.pop())
+    return [inference_pb2.GenerateResponse(request_id=response.request_id, worker_id=response.worker_id,
+                                           prompt_logprobs=piece) for piece in pieces]
 
 
 def _with_ending(response: inference_pb2.GenerateResponse, state: RequestState,
@@ -140,6 +157,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         try:
             async for events in event_batches(state, self.dispatcher):
                 last, response = events[-1], _response(state, events)
+                for piece in _prompt_pieces(response) if response.prompt_logprobs else ():
+                    yield piece
                 has_tokens = bool(response.text or response.token_ids)
                 if last.status is not None:
                     if has_tokens:

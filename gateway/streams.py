@@ -24,7 +24,7 @@ from gateway.stop_strings import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Tokenizer
 from shared.sampling_params import SamplingParams
 from protos import worker_pb2
-from shared.wire import TokenLogprob, prompt_logprobs_from_wire, sampling_to_wire
+from shared.wire import TokenLogprob, logprobs_from_wire, prompt_logprobs_from_wire, sampling_to_wire
 
 
 @dataclass
@@ -124,6 +124,17 @@ class RequestState:
         if self.params.prompt_logprobs is not None and delta.new_token_ids and not self.output_ids:
             return prompt_logprobs_from_wire(delta, self.prompt_ids)
         return None
+
+    def on_delta(self, delta: worker_pb2.TokenDelta, now_s: float) -> bool:
+        """A worker's delta taken (its tokens, their log-probabilities and the prompt's); True if it ended
+        the request here: a stop string, or a delta that cannot be read (an error, not the gateway's end)."""
+        try:
+            logprobs = logprobs_from_wire(delta) if delta.logprobs else None
+            prompt_logprobs = self.prompt_logprobs_of(delta)
+        except ValueError as e:
+            self.finish("error", now_s, error=f"its worker sent a delta that cannot be read: {e}")
+            return True
+        return self.on_tokens(list(delta.new_token_ids), now_s, logprobs, prompt_logprobs)
 
     def on_tokens(self, token_ids: list[int], now_s: float, logprobs: list[TokenLogprob] | None = None,
                   prompt_logprobs: list[TokenLogprob] | None = None) -> bool:

@@ -310,6 +310,24 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, en
         assert [choice.text[o:o + len(t)] for o, t in zip(lp.text_offset[1:], lp.tokens[1:])] == lp.tokens[1:]
 
 
+def test_an_echo_that_generates_eos_keeps_a_place_for_it(client, tokenizer):
+    """lm-evaluation-harness reads token_logprobs[context:-1]: the one generated token has its place even
+    where it is EOS, whose text the answer leaves out (without an echo it has no entry, as OpenAI's)."""
+    ids = tokenizer.encode("The quick brown fox")
+    eos = tokenizer.special.eos_ids[0]
+    fields = dict(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                  logit_bias={str(eos): 100})
+    whole = client.completions.create(**fields).choices[0]
+    assert whole.finish_reason == "stop" and whole.text == tokenizer.decode(ids)
+    # Its value is the raw one (before the bias).
+    assert len(whole.logprobs.token_logprobs) == len(ids) + 1 and whole.logprobs.token_logprobs[-1] < 0
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **fields)
+                if c.choices[0].logprobs]
+    assert [x for lp in streamed for x in lp.token_logprobs] == whole.logprobs.token_logprobs
+    plain = client.completions.create(**{**fields, "echo": False}).choices[0]
+    assert plain.logprobs.tokens == []
+
+
 def test_echo_with_logprobs_streamed_equals_whole(client, tokenizer):
     fields = dict(model=MODEL, prompt="Once upon a time", echo=True, logprobs=2, max_tokens=5, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -337,7 +355,9 @@ def test_vllm_prompt_logprobs_field_and_grpc(client, cluster, engine, tokenizer)
             entry = place[str(token_id)]  # the prompt's token, and the k most likely ranked 1..k
             assert entry["decoded_token"] == tokenizer.decode([token_id], skip_special_tokens=False)
             assert entry["rank"] >= 1 and len(place) <= k + 1
-            assert sorted(e["rank"] for t, e in place.items() if t != str(token_id)) == list(range(1, len(place)))
+            # The alternatives ranked 1..k, but for the prompt's own token where it is one of them.
+            ranks = {e["rank"] for t, e in place.items() if t != str(token_id)}
+            assert ranks == set(range(1, k + 1)) - {entry["rank"]}
     for (logprob, rank, top), token_id, place in zip(expected, ids[1:], completion.model_extra["prompt_logprobs"][1:]):
         assert place[str(token_id)]["logprob"] == pytest.approx(logprob, abs=1e-5)
         assert place[str(token_id)]["rank"] == rank

@@ -10,6 +10,8 @@ import torch
 import transformers
 
 from worker import prompt_logprobs
+from worker.prompt_logprobs import PromptScoring
+from worker.sampler import top_logprobs
 from worker.engine import Engine, SamplingParams
 
 PROMPT = random.Random(7).choices(range(3, 256), k=45)
@@ -104,10 +106,26 @@ def test_a_prefill_preempted_midway_scores_each_position_once(llama_dir, hf_log_
 
 
 def test_tied_alternatives_are_ordered_by_token_id_as_the_samplers_are():
-    from worker.prompt_logprobs import _top_logprobs
-    from worker.sampler import top_logprobs
     logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0], [3.0, 2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
-    got = _top_logprobs(logits, torch.logsumexp(logits, dim=-1, keepdim=True), 2)
-    expected = [top_logprobs(torch.log_softmax(row, dim=-1), 2) for row in logits]
-    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected] == [[1, 2], [0, 1], [0, 1]]
-    assert [v for row in got for _, v in row] == pytest.approx([v for row in expected for _, v in row], abs=1e-6)
+    # bf16-rounded logits tie often, inside the candidates and (coarser still) past them.
+    coarse = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    for rows, k in ((logits, 2), (coarse.bfloat16().float(), 5), ((coarse * 2).round() / 2, 3), (coarse, 20)):
+        got = prompt_logprobs._top_logprobs(rows, torch.logsumexp(rows, dim=-1, keepdim=True), k)
+        expected = [top_logprobs(torch.log_softmax(row, dim=-1), k) for row in rows]
+        assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
+        assert [v for row in got for _, v in row] == pytest.approx([v for row in expected for _, v in row], abs=1e-5)
+    assert [[t for t, _ in row] for row in prompt_logprobs._top_logprobs(
+        logits, torch.logsumexp(logits, dim=-1, keepdim=True), 2)] == [[1, 2], [0, 1], [0, 1]]
+
+
+def test_logits_that_are_not_finite_fail_the_request_and_a_ruled_out_token_is_floored():
+    """JSON has no NaN or infinity: a row whose total overflowed fails its request; a token with a logit
+    of -inf (ruled out) gets vLLM's -9999."""
+    hidden = torch.tensor([[1.0, float("inf"), 0.0], [0.0, 1.0, 2.0], [0.0, float("-inf"), 1.0]])
+    overflowed = PromptScoring(0, 0, [2], 2)
+    fine = PromptScoring(0, 0, [0, 1], 2)
+    prompt_logprobs.score_prompt_positions(hidden, [(0, overflowed), (1, fine)], lambda h: h, vocab_size=3)
+    assert overflowed.entries is None and "not finite" in overflowed.error
+    assert fine.entries is not None and not fine.error
+    [(value, rank, top)] = fine.entries[1:]
+    assert value == -9999.0 and rank == 3 and top[1][0] == 0

@@ -5,11 +5,11 @@ import filecmp
 
 import pytest
 
-from protos import worker_pb2
+from gateway.streams import RequestState
+from protos import inference_pb2, worker_pb2
 from shared import ipc
 from shared.block_hash import chain_hashes
 from shared.sampling_params import SamplingParams
-from gateway.streams import RequestState
 from shared.wire import (TokenLogprob, logprobs_from_wire, logprobs_to_wire, prompt_logprobs_from_wire,
                          prompt_logprobs_to_wire, sampling_from_wire, sampling_to_wire)
 from tools.gen_protos import ROOT, generate
@@ -108,6 +108,28 @@ def test_prompt_logprobs_round_trip_and_a_resumed_request_does_not_ask_again():
     assert state.prompt_logprobs_of(delta) == decoded  # the first delta with tokens carries them
     state.output_ids.append(8)  # resumed after its first token: they came with it
     assert not state.wire_sampling().HasField("prompt_logprobs") and state.prompt_logprobs_of(delta) is None
+
+
+def test_a_delta_that_cannot_be_read_ends_its_request_with_an_error(tokenizer):
+    state = RequestState("r", "r-1", [1, 9, 6, 5], SamplingParams(prompt_logprobs=2), 0, tokenizer)
+    delta = worker_pb2.TokenDelta(request_id="r-1", new_token_ids=[8],
+                                  prompt_logprobs=prompt_logprobs_to_wire([(-0.5, 1, ())]))
+    assert state.on_delta(delta, 0.0) is True  # the dispatcher then forgets it and aborts it on its worker
+    event = state.events.get_nowait()
+    assert event.finish_reason == "error" and "1 prompt logprobs for a prompt of 4 tokens" in event.error
+
+
+def test_a_long_prompts_log_probabilities_leave_in_pieces_before_the_first_tokens():
+    from gateway.server import PROMPT_LOGPROBS_PER_MESSAGE as most, _prompt_pieces
+    response = inference_pb2.GenerateResponse(request_id="r", token_ids=[5], text="x")
+    response.prompt_logprobs.extend(inference_pb2.TokenLogprob(token_id=i % 7, logprob=-i) for i in range(2 * most + 3))
+    pieces = _prompt_pieces(response)
+    assert [len(p.prompt_logprobs) for p in pieces] == [most, most] and len(response.prompt_logprobs) == 3
+    assert not any(p.token_ids or p.text for p in pieces) and list(response.token_ids) == [5]
+    order = [e.logprob for p in [*pieces, response] for e in p.prompt_logprobs]
+    assert order == [-i for i in range(2 * most + 3)]
+    short = inference_pb2.GenerateResponse(request_id="r", prompt_logprobs=[inference_pb2.TokenLogprob()])
+    assert _prompt_pieces(short) == [] and len(short.prompt_logprobs) == 1
 
 
 def test_wrong_version_and_garbage_are_refused():

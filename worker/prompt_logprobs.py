@@ -21,6 +21,11 @@ from worker.sampler import top_logprobs
 # Bytes of float32 logits scored at once: a prompt of any length holds at most this much of them (and a
 # quarter as much again of comparisons) beyond what the KV pool was sized around.
 SCORE_BYTES = 32 * 2**20
+# A token the model rules out (a logit of -inf) is given this, as vLLM gives it: JSON has no -inf.
+FLOOR = -9999.0
+# Candidates past the k most likely that are ordered too, so ties at the k-th are settled in one batched sort
+# (low-precision logits tie often); a tie that reaches past them takes the sampler's exact rule.
+_TIE_ROOM = 8
 
 
 @dataclass(slots=True)
@@ -56,7 +61,7 @@ def score_prompt_positions(hidden: torch.Tensor, scored: list[tuple[int, PromptS
         rows.extend(range(start, start + len(scoring.targets)))
         targets.extend(scoring.targets)
     device = hidden.device
-    logprobs, ranks, tops = [], [], []
+    logprobs, ranks, tops, broken = [], [], [], []
     num_top = max(s.num_top for _, s in scored)
     chunk = max(1, SCORE_BYTES // (4 * vocab_size))
     for begin in range(0, len(rows), chunk):
@@ -66,7 +71,9 @@ def score_prompt_positions(hidden: torch.Tensor, scored: list[tuple[int, PromptS
         # logit - logsumexp is log_softmax's value without writing out the [R, V] of them.
         log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # [R, 1]
         chosen = logits.gather(1, target)  # [R, 1]
-        logprobs += (chosen - log_total).squeeze(1).tolist()
+        # An infinite total or a NaN: an activation overflowed, and no value of the row means anything.
+        broken += (~torch.isfinite(log_total) | torch.isnan(chosen)).squeeze(1).tolist()
+        logprobs += (chosen - log_total).clamp(min=FLOOR).squeeze(1).tolist()
         ranks += (torch.gt(logits, chosen).sum(dim=1, dtype=torch.int32) + 1).tolist()
         if num_top:
             tops += _top_logprobs(logits, log_total, num_top)
@@ -74,7 +81,7 @@ def score_prompt_positions(hidden: torch.Tensor, scored: list[tuple[int, PromptS
     for _, scoring in scored:
         n = len(scoring.targets)
         values = logprobs[at:at + n]
-        if not all(v == v and v != float("inf") for v in values):  # NaN or +inf: an activation overflowed
+        if any(broken[at:at + n]):
             scoring.error = "the model's logits over this request's prompt are not finite (NaN or inf)"
         else:
             k = scoring.num_top
@@ -84,13 +91,18 @@ def score_prompt_positions(hidden: torch.Tensor, scored: list[tuple[int, PromptS
 
 def _top_logprobs(logits: torch.Tensor, log_total: torch.Tensor, k: int) -> list[TopLogprobs]:
     """Each row's k most likely (token id, logprob), by descending logprob, ties by ascending id (the
-    sampler's rule, worker/sampler.py top_logprobs)."""
-    values, ids = torch.topk(logits, min(k + 1, logits.shape[1]), dim=-1)  # [R, k + 1], descending
-    # Where the k + 1 largest hold no tie, the k are the only ones and their order is the only one; a row
-    # with a tie takes the sampler's exact rule.
-    tied = (values[:, 1:] == values[:, :-1]).any(dim=1).nonzero().flatten().tolist()
-    values, ids = (values[:, :k] - log_total).tolist(), ids[:, :k].tolist()
+    sampler's rule, worker/sampler.py top_logprobs), for all rows at once."""
+    vocab = logits.shape[1]
+    m = min(k + _TIE_ROOM, vocab)
+    values, ids = torch.topk(logits, m, dim=-1)  # [R, m], descending, ties in any order
+    by_id = ids.argsort(dim=1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = values.argsort(dim=1, descending=True, stable=True)  # equal values stay in id order
+    values, ids = values.gather(1, by_value), ids.gather(1, by_value)
+    # A row whose k-th value is also its m-th may tie with tokens past the m candidates: the exact rule there.
+    spilled = (values[:, k - 1] == values[:, m - 1]).nonzero().flatten().tolist() if m < vocab else []
+    values, ids = (values[:, :k] - log_total).clamp(min=FLOOR).tolist(), ids[:, :k].tolist()
     out = [tuple(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
-    for r in tied:
-        out[r] = top_logprobs(logits[r] - log_total[r], k)
+    for r in spilled:
+        out[r] = tuple((t, max(v, FLOOR)) for t, v in top_logprobs(logits[r] - log_total[r], k))
     return out
