@@ -79,7 +79,7 @@ def completion_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts, offset:
         tokens.append(token)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
-            "top_logprobs": [top_by_text(e.top, texts) for e in logprobs], "text_offset": offsets}
+            "top_logprobs": [top_by_text(e, texts) for e in logprobs], "text_offset": offsets}
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], texts: TokenTexts) -> dict:

@@ -14,11 +14,14 @@ from gateway.token_texts import TokenTexts
 from shared.wire import TokenLogprob
 
 
-def top_by_text(top: tuple[tuple[int, float], ...], texts: TokenTexts) -> dict[str, float]:
-    """The completions format keys alternatives by text: of tokens with the same text, the most likely one's."""
+def top_by_text(entry: TokenLogprob, texts: TokenTexts, num_top: int | None = None) -> dict[str, float]:
+    """The completions format's alternatives of `entry` (its first `num_top`, all by default), keyed by text
+    (of tokens with the same text, the most likely one's), and the token's own: OpenAI's API "always
+    returns the logprob of the sampled token", so there are up to logprobs + 1 of them."""
     out: dict[str, float] = {}
-    for token_id, logprob in top:
+    for token_id, logprob in entry.top[:num_top]:
         out.setdefault(texts(token_id), logprob)
+    out.setdefault(texts(entry.token_id), entry.logprob)
     return out
 
 
@@ -37,7 +40,7 @@ def echoed_logprobs(prompt_ids: Sequence[int], entries: list[TokenLogprob] | Non
             offset += len(text)
         entry = entries[i - 1] if entries and i > 0 else None
         logprobs.append(entry.logprob if entry is not None else None)
-        tops.append(top_by_text(entry.top[:num_top], texts) if entry is not None else None)
+        tops.append(top_by_text(entry, texts, num_top) if entry is not None else None)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 

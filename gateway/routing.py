@@ -197,6 +197,8 @@ class Router:
                 or DEFAULT_BLOCK_SIZE)
 
     def _predicted(self, state: RequestState, worker: WorkerHandle, blocks: int) -> int:
+        if state.params.prompt_logprobs is not None and not state.output_ids:
+            return 0  # it scores its prompt, so every position is computed (worker/prompt_logprobs.py)
         # The worker computes at least the last token itself, so it uses only the blocks before it.
         block_size = self._block_size(worker)
         usable = (num_tokens(state) - 1) // block_size

@@ -276,3 +276,10 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
         lock.unlink(missing_ok=True)
     assert again.returncode == 0, again.stderr
     assert "left by a process that died" in again.stderr
+
+
+def test_two_source_trees_run_by_one_environment_build_apart(monkeypatch, tmp_path):
+    # One shared folder made each checkout's start rebuild the other's module (minutes each time).
+    mine = cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "_SOURCE_DIR", tmp_path / "csrc")
+    assert cpu_kernels.build_dir() != mine and cpu_kernels.build_dir().parent == mine.parent

@@ -21,9 +21,9 @@ BLOCK = 4
 SYSTEM = list(range(100, 132))  # 8 blocks
 
 
-def request(tokens, session_id="", max_tokens=1):
+def request(tokens, session_id="", max_tokens=1, prompt_logprobs=None):
     return SimpleNamespace(prompt_ids=list(tokens), output_ids=[], session_id=session_id, block_hashes=None,
-                           params=SimpleNamespace(max_tokens=max_tokens))
+                           params=SimpleNamespace(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs))
 
 
 def heartbeat(worker_id, **fields):
@@ -63,6 +63,9 @@ def test_cache_aware_picks_the_longest_cached_prefix_and_predicts_its_tokens():
     assert (route.worker.worker_id, route.outcome, route.predicted_cached_tokens) == ("w1", "cache_hit", 32)
     # The last prompt token is always computed: a fully cached prompt predicts one block less.
     assert router.route(request(SYSTEM), workers(registry), {}).predicted_cached_tokens == 28
+    # A request scoring its prompt (prompt_logprobs) computes every position: it finds nothing cached.
+    scoring = request(SYSTEM + [7, 8, 9], prompt_logprobs=0)
+    assert router.route(scoring, workers(registry), {}).predicted_cached_tokens == 0
 
 
 def test_equal_prefixes_go_to_the_less_loaded_worker():

@@ -29,11 +29,12 @@ TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds 
 
 
 def build_dir() -> Path:
-    """Where this environment's module is built and cached. One build per environment: torch's
-    builder keys its cache on the include paths, so two virtual environments sharing a folder
-    would rebuild each other's module forever."""
+    """Where this environment's module is built and cached. One build per environment and source
+    tree: torch's builder keys its cache on the include and source paths, so two virtual
+    environments, or two checkouts run by one environment, sharing a folder would rebuild each
+    other's module forever (each start waiting minutes on the other's build)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    env_key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    env_key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{_SOURCE_DIR.resolve()}".encode()).hexdigest()[:12]
     return root / "inference_cluster" / env_key
 
 
