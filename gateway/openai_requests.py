@@ -93,7 +93,7 @@ def completion_requests(body: CompletionRequest, limits: GatewayConfig) -> tuple
         request = inference_pb2.GenerateRequest(sampling=sampling, priority=body.priority,
                                                 truncate_prompt_tokens=_truncate(body), session_id=_session(body))
         if isinstance(prompt, str):
-            request.prompt = prompt
+            request.prompt, request.omit_special_tokens = prompt, not body.add_special_tokens
         else:
             if any(not 0 <= t < 2**32 for t in prompt):
                 raise BadRequest("prompt token ids must be in [0, 2**32)", "prompt")

@@ -111,6 +111,8 @@ class CompletionRequest(_Constrained):
     max_tokens: int | None = None
     logprobs: int | None = Field(None, description="alternatives per token, 0..5")
     echo: bool | None = False
+    add_special_tokens: bool = Field(True, description="vLLM's: false encodes a text prompt without the "
+                                     "tokenizer's special tokens (its BOS)")
     null_echo = _null_takes_default("echo")
 
 

@@ -175,8 +175,11 @@ def encoded_prompt(request: inference_pb2.GenerateRequest, tokenizer: Tokenizer)
     for name in ("tools_json", "chat_template_kwargs_json", "omit_generation_prompt", "continue_final_message"):
         if getattr(request, name) and given[0] != "messages":
             raise _invalid(f"{name} goes with messages (the chat template renders it), not with a plain prompt")
+    if request.omit_special_tokens and given[0] != "prompt":
+        raise _invalid("omit_special_tokens goes with prompt (text the gateway encodes), not with "
+                       f"{given[0]}")
     if given[0] == "prompt":
-        ids = tokenizer.encode(request.prompt)
+        ids = tokenizer.encode(request.prompt, add_special_tokens=not request.omit_special_tokens)
         if not ids:
             raise _invalid("the prompt encodes to no tokens")
         return ids

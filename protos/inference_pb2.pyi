@@ -108,7 +108,7 @@ class Choices(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "priority", "request_id", "truncate_prompt_tokens", "session_id", "tools_json", "chat_template_kwargs_json", "omit_generation_prompt", "continue_final_message")
+    __slots__ = ("prompt", "prompt_token_ids", "messages", "sampling", "priority", "request_id", "truncate_prompt_tokens", "session_id", "tools_json", "chat_template_kwargs_json", "omit_generation_prompt", "continue_final_message", "omit_special_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class GenerateRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     OMIT_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OMIT_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -133,7 +134,8 @@ class GenerateRequest(_message.Message):
     chat_template_kwargs_json: str
     omit_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., omit_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    omit_special_tokens: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., session_id: _Optional[str] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., omit_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., omit_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

@@ -39,6 +39,20 @@ def test_the_default_model_tokenizer_matches_autotokenizer():
     assert ours.encode_chat(messages) == reference.apply_chat_template(messages, tokenize=True,
                                                                        add_generation_prompt=True, return_dict=False)
     assert ours.special.eos_ids[0] == reference.eos_token_id and ours.warnings == []
+    # vLLM's add_special_tokens false (a completion's; omit_special_tokens on the wire): no BOS is added.
+    from gateway.openai_requests import completion_requests
+    from gateway.openai_schema import CompletionRequest
+    from gateway.validation import encoded_prompt
+    from shared.config import GatewayConfig
+    for add in (True, False):
+        [request], _ = completion_requests(CompletionRequest(model="m", prompt=TEXTS[0], add_special_tokens=add),
+                                           GatewayConfig())
+        assert encoded_prompt(request, ours) == reference.encode(TEXTS[0], add_special_tokens=add)
+    assert reference.encode(TEXTS[0]) != reference.encode(TEXTS[0], add_special_tokens=False)  # it has a BOS
+    from gateway.validation import InvalidRequest
+    from protos import inference_pb2
+    with pytest.raises(InvalidRequest, match="omit_special_tokens goes with prompt"):
+        encoded_prompt(inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], omit_special_tokens=True), ours)
 
 
 @pytest.mark.parametrize("text", TEXTS)

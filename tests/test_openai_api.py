@@ -406,3 +406,16 @@ def test_echo_with_max_tokens_0_answers_the_scored_prompt_alone(client, engine, 
     assert chunks[-1].usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
         client.completions.create(model=MODEL, prompt=ids, max_tokens=0)  # without echo there is nothing to answer
+
+
+def test_add_special_tokens_false_encodes_a_text_prompt_without_its_bos(client, tokenizer):
+    """vLLM's add_special_tokens reaches the prompt's encoding: lm-evaluation-harness's text requests
+    (tokenized_requests false) score the text as its own tokenizer encodes it, without a BOS."""
+    text = "The quick brown fox"
+    with_bos = client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"return_token_ids": True})
+    plain = client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True, logprobs=0,
+                                      extra_body={"return_token_ids": True, "add_special_tokens": False})
+    ids = tokenizer.encode(text, add_special_tokens=False)  # this tokenizer adds none (test_gateway_tokenizer's does)
+    assert with_bos.choices[0].prompt_token_ids == tokenizer.encode(text)
+    assert plain.choices[0].prompt_token_ids == ids and plain.usage.prompt_tokens == len(ids)
+    assert plain.choices[0].text.startswith(text) and len(plain.choices[0].logprobs.tokens) == len(ids) + 1
