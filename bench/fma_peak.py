@@ -2,18 +2,22 @@
 the widest vectors the compiler targets here (-march=native), so no latency, memory or
 scheduling limits them. It is the ceiling any float32 matmul reaches on this host, ours or
 llama.cpp's, and what bench.vs_llama_cpp turns into the batched run's compute bound (the
-workload's FLOPs over this rate). Compiled once per process with torch's extension builder.
+workload's FLOPs over this rate). Compiled once per process as a plain shared library loaded
+with ctypes: it needs nothing of torch, whose headers took the compiler most of a minute.
 """
 from __future__ import annotations
 
+import ctypes
+import subprocess
 import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 SOURCE = r"""
-#include <torch/extension.h>
 #include <omp.h>
 
 #include <chrono>
+#include <cstdint>
 
 // One vector register's floats where AVX-512 is built (32 registers), else 32 bytes: one AVX2
 // register (16 of them) or two NEON ones. kChains of them cover the FMA latency times the FMA
@@ -29,7 +33,7 @@ constexpr int kChains = 10;
 constexpr int kLanes = sizeof(vec) / sizeof(float);
 
 // GFLOP/s of `threads` threads, each doing `iterations` x kChains vector FMAs.
-double fma_gflops(int64_t threads, int64_t iterations) {
+extern "C" double fma_gflops(int64_t threads, int64_t iterations) {
   double sink = 0.0;
   const auto started = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
@@ -46,7 +50,8 @@ double fma_gflops(int64_t threads, int64_t iterations) {
       for (int l = 0; l < kLanes; ++l) sink += acc[i][l];
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  TORCH_CHECK(sink == sink, "unreachable: keeps the loop");
+  static volatile double kept;
+  kept = sink;  // the sums are used, so the loop stays
   return 2.0 * kLanes * kChains * iterations * threads / seconds / 1e9;
 }
 """
@@ -54,11 +59,13 @@ double fma_gflops(int64_t threads, int64_t iterations) {
 
 @lru_cache(maxsize=1)
 def _module():
-    from torch.utils.cpp_extension import load_inline
-    return load_inline(name="bench_fma_peak", cpp_sources=SOURCE, functions=["fma_gflops"],
-                       extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                       extra_ldflags=["-fopenmp"], build_directory=tempfile.mkdtemp(prefix="fma_peak_"),
-                       verbose=False)
+    folder = Path(tempfile.mkdtemp(prefix="fma_peak_"))
+    (folder / "fma_peak.cpp").write_text(SOURCE)
+    subprocess.run(["c++", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+                    "fma_peak.cpp", "-o", "fma_peak.so"], cwd=folder, check=True, capture_output=True, timeout=300)
+    library = ctypes.CDLL(str(folder / "fma_peak.so"))
+    library.fma_gflops.argtypes, library.fma_gflops.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double
+    return library
 
 
 def measure_fma_gflops(threads: int, iterations: int = 20_000_000, repeats: int = 5) -> float:
