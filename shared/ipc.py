@@ -230,6 +230,10 @@ class GatewaySocket:
         """The frames waiting now, up to `limit`, waiting for the first: one wake of the event
         loop per batch rather than per frame (a fleet's outputs arrive faster than the loop turns).
         Undecoded, so that one bad frame costs only itself (`decode` each)."""
+        # Awaiting a frame that is already queued does not yield to the event loop: behind a backlog the
+        # reader would run alone until it was drained, every other task (deadlines, cancellations, new
+        # requests, the HTTP server) waiting on it. One turn of the loop per batch, whatever is queued.
+        await asyncio.sleep(0)
         frames = [(await self.socket.recv_multipart())[1]]
         while len(frames) < limit:
             try:

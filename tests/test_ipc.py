@@ -50,3 +50,38 @@ def test_a_worker_does_not_block_when_no_gateway_listens():
     assert time.monotonic() - started < 5
     assert worker.recv_all(0.01) == []
     worker.close()
+
+
+def test_a_backlog_of_frames_leaves_the_event_loop_a_turn_per_batch():
+    """Awaiting a frame already queued does not yield: a gateway behind its workers' output read it alone
+    until the backlog drained, and deadlines, cancellations and new requests waited (seconds, on a loaded
+    host)."""
+    async def scenario():
+        endpoint = f"ipc://{tempfile.mkdtemp(prefix='ic-')}/gw.ipc"
+        gateway = GatewaySocket(endpoint)
+        worker = WorkerSocket(endpoint, "worker-0", "inc", routed=False)
+        turns = 0
+
+        async def another_task():
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        try:
+            for _ in range(640):
+                assert worker.send(worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat(ready=True)))
+            await asyncio.sleep(0.5)  # all of them queued on the gateway's side
+            task = asyncio.ensure_future(another_task())
+            await asyncio.sleep(0)
+            before, received, batches = turns, 0, 0
+            while received < 640:  # awaited as the dispatcher awaits it (a wait_for's task would yield itself)
+                received += len(await gateway.recv_frames(64))
+                batches += 1
+            task.cancel()
+            assert batches >= 10 and turns - before >= batches - 1, (batches, turns - before)
+        finally:
+            worker.close()
+            gateway.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
