@@ -167,8 +167,9 @@ class OpenAiApi:
                                 f"surrogate") from None
         except RecursionError:  # a schema or tool parsed, but nested too deeply to write back as JSON
             raise await too_deep_body(request) from None
-        kind = "resp" if responses is not None else "chatcmpl" if chat else "cmpl"
-        request_id = request.headers.get("x-request-id") or f"{kind}-{uuid.uuid4().hex}"
+        # OpenAI's forms: "resp_…" (as the Responses API's items, responses_output.py), "chatcmpl-…", "cmpl-…".
+        kind = "resp_" if responses is not None else "chatcmpl-" if chat else "cmpl-"
+        request_id = request.headers.get("x-request-id") or f"{kind}{uuid.uuid4().hex}"
         return await self._generate(request, request_id, requests, presentation, body.timeout, chat, responses)
 
     # ---- generation ---------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ def test_a_response_is_the_chat_it_amounts_to(client, cluster):
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Once upon a time"}],
         max_completion_tokens=12, temperature=0)
     assert r.object == "response" and r.model == MODEL and r.metadata == {"k": "v"}
+    assert r.id.startswith("resp_") and chat.id.startswith("chatcmpl-")  # OpenAI's forms
     assert r.output_text == chat.choices[0].message.content
     cut = chat.choices[0].finish_reason == "length"
     assert r.status == ("incomplete" if cut else "completed")
