@@ -8,6 +8,7 @@ with ctypes: it needs nothing of torch, whose headers took the compiler most of 
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -61,8 +62,11 @@ extern "C" double fma_gflops(int64_t threads, int64_t iterations) {
 def _module():
     folder = Path(tempfile.mkdtemp(prefix="fma_peak_"))
     (folder / "fma_peak.cpp").write_text(SOURCE)
-    subprocess.run(["c++", "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-                    "fma_peak.cpp", "-o", "fma_peak.so"], cwd=folder, check=True, capture_output=True, timeout=300)
+    built = subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp",
+                            "-shared", "-fPIC", "fma_peak.cpp", "-o", "fma_peak.so"], cwd=folder, capture_output=True,
+                           text=True, timeout=300)
+    if built.returncode:
+        raise RuntimeError(f"building the FMA peak probe failed:\n{built.stderr}")
     library = ctypes.CDLL(str(folder / "fma_peak.so"))
     library.fma_gflops.argtypes, library.fma_gflops.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double
     return library

@@ -125,7 +125,8 @@ class ResponseBuilder:
                                     self.texts)
 
     def _echoed(self, c: Choice) -> dict:
-        return echoed_logprobs(c.state.prompt_ids, c.prompt_logprobs, self.presentation.logprobs, self._echo_texts)
+        return echoed_logprobs(c.state.prompt_ids, c.prompt_logprobs, self.presentation.logprobs, self._echo_texts,
+                               c.prefix)
 
     def _choice(self, c: Choice) -> dict:
         p = self.presentation

@@ -26,17 +26,18 @@ def top_by_text(entry: TokenLogprob, texts: TokenTexts, num_top: int | None = No
 
 
 def echoed_logprobs(prompt_ids: Sequence[int], entries: list[TokenLogprob] | None, num_top: int,
-                    texts: TokenTexts) -> dict:
+                    texts: TokenTexts, echo: str) -> dict:
     """The completions format's lists for the echoed prompt, one place per prompt token (null where
-    there is no entry). `text_offset` counts from 0 over the tokens' texts as the echoed text holds
-    them: a special token's text (which the echo leaves out) takes no room."""
+    there is no entry). `text_offset` counts from 0 over the tokens' texts as `echo`, the echoed text,
+    holds them: a special token's text takes room only where the echo writes it (a prompt's text that
+    spells it out), not where the tokenizer added it (a BOS)."""
     tokens, logprobs, tops, offsets = [], [], [], []
     offset = 0
     for i, token_id in enumerate(prompt_ids):
         text = texts(token_id)
         tokens.append(text)
         offsets.append(offset)
-        if texts.shown(token_id):
+        if texts.shown(token_id) or echo.startswith(text, offset):
             offset += len(text)
         entry = entries[i - 1] if entries and i > 0 else None
         logprobs.append(entry.logprob if entry is not None else None)

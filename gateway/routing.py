@@ -178,6 +178,10 @@ class Router:
         return next((w for w in candidates if mark is not None and w.worker_id == mark.worker_id), None)
 
     def _matched_blocks(self, state: RequestState, candidates: list[WorkerHandle]) -> dict[str, int]:
+        if state.params.prompt_logprobs is not None and not state.output_ids:
+            # It scores its prompt, so every position is computed (worker/prompt_logprobs.py): no cache
+            # draws it, and it spreads like a prefix cached nowhere.
+            return dict.fromkeys((w.worker_id for w in candidates), 0)
         matched: dict[str, int] = {}
         by_size: dict[int, list[str]] = {}
         for w in candidates:
@@ -197,8 +201,6 @@ class Router:
                 or DEFAULT_BLOCK_SIZE)
 
     def _predicted(self, state: RequestState, worker: WorkerHandle, blocks: int) -> int:
-        if state.params.prompt_logprobs is not None and not state.output_ids:
-            return 0  # it scores its prompt, so every position is computed (worker/prompt_logprobs.py)
         # The worker computes at least the last token itself, so it uses only the blocks before it.
         block_size = self._block_size(worker)
         usable = (num_tokens(state) - 1) // block_size

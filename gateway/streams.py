@@ -132,7 +132,9 @@ class RequestState:
             logprobs = logprobs_from_wire(delta) if delta.logprobs else None
             prompt_logprobs = self.prompt_logprobs_of(delta)
         except ValueError as e:
-            self.finish("error", now_s, error=f"its worker sent a delta that cannot be read: {e}")
+            # _finish, not finish: a held tail completing a stop string must not turn the error into an answer.
+            self._finish("error", now_s, "", f"its worker sent a delta that cannot be read: {e}"
+                         + (f" (and said: {delta.error})" if delta.error else ""))
             return True
         return self.on_tokens(list(delta.new_token_ids), now_s, logprobs, prompt_logprobs)
 

@@ -419,3 +419,20 @@ def test_add_special_tokens_false_encodes_a_text_prompt_without_its_bos(client, 
     assert with_bos.choices[0].prompt_token_ids == tokenizer.encode(text)
     assert plain.choices[0].prompt_token_ids == ids and plain.usage.prompt_tokens == len(ids)
     assert plain.choices[0].text.startswith(text) and len(plain.choices[0].logprobs.tokens) == len(ids) + 1
+
+
+def test_echo_offsets_count_a_special_tokens_text_only_where_the_echo_writes_it(tokenizer):
+    from gateway.prompt_logprobs import echoed_logprobs
+    from gateway.token_texts import TokenTexts
+    texts = TokenTexts(tokenizer)
+    eos = tokenizer.special.eos_ids[0]
+    spelled = "</s>hello"  # the prompt's text spells the special token out: the echo holds it
+    ids = tokenizer.encode(spelled)
+    assert eos in ids
+    lists = echoed_logprobs(ids, None, 1, texts, spelled)
+    assert [spelled[o:o + len(t)] for o, t in zip(lists["text_offset"], lists["tokens"])] == lists["tokens"]
+    # Token ids decoded for the echo leave it out: it takes no room there.
+    decoded = tokenizer.decode(ids)
+    lists = echoed_logprobs(ids, None, 1, texts, decoded)
+    assert lists["text_offset"][ids.index(eos) + 1] == lists["text_offset"][ids.index(eos)]
+    assert lists["token_logprobs"] == [None] * len(ids)

@@ -65,7 +65,8 @@ def test_cache_aware_picks_the_longest_cached_prefix_and_predicts_its_tokens():
     assert router.route(request(SYSTEM), workers(registry), {}).predicted_cached_tokens == 28
     # A request scoring its prompt (prompt_logprobs) computes every position: it finds nothing cached.
     scoring = request(SYSTEM + [7, 8, 9], prompt_logprobs=0)
-    assert router.route(scoring, workers(registry), {}).predicted_cached_tokens == 0
+    route = router.route(scoring, workers(registry), {})
+    assert (route.predicted_cached_tokens, route.outcome) == (0, "spread")
 
 
 def test_equal_prefixes_go_to_the_less_loaded_worker():

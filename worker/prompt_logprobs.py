@@ -95,13 +95,15 @@ def _top_logprobs(logits: torch.Tensor, log_total: torch.Tensor, k: int) -> list
     vocab = logits.shape[1]
     m = min(k + _TIE_ROOM, vocab)
     values, ids = torch.topk(logits, m, dim=-1)  # [R, m], descending, ties in any order
+    # Ordered by logprob, not logit: two logits a float apart may have the same logprob, a tie.
+    values = (values - log_total).clamp(min=FLOOR)
     by_id = ids.argsort(dim=1)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     by_value = values.argsort(dim=1, descending=True, stable=True)  # equal values stay in id order
     values, ids = values.gather(1, by_value), ids.gather(1, by_value)
     # A row whose k-th value is also its m-th may tie with tokens past the m candidates: the exact rule there.
     spilled = (values[:, k - 1] == values[:, m - 1]).nonzero().flatten().tolist() if m < vocab else []
-    values, ids = (values[:, :k] - log_total).clamp(min=FLOOR).tolist(), ids[:, :k].tolist()
+    values, ids = values[:, :k].tolist(), ids[:, :k].tolist()
     out = [tuple(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
     for r in spilled:
         out[r] = tuple((t, max(v, FLOOR)) for t, v in top_logprobs(logits[r] - log_total[r], k))
