@@ -1,6 +1,6 @@
 """The gateway's stream_interval: tokens per GenerateResponse, the first at once, none lost or reordered.
 
-One test serves the tiny model (the tokens must equal a token-per-message run's); one puts the
+One test serves the tiny model (the tokens must equal the model's own greedy output); one puts the
 gateway in front of bench/fake_worker.py, whose steps are slower than the hold timer, to show
 that held tokens leave when stream_hold_ms passes rather than waiting for the interval to fill.
 """
@@ -27,8 +27,11 @@ def _tokens(responses) -> list[int]:
 
 
 def test_interval_groups_tokens_and_keeps_every_one(served_checkpoint):
-    with Cluster(served_checkpoint, num_workers=1) as plain:
-        expected = _tokens(_stream(plain.stub))
+    from worker.engine import Engine, SamplingParams
+    # The tokens a token-per-message run sends: the model's greedy output, computed in process.
+    expected = Engine.from_model_dir(served_checkpoint, num_kv_blocks=16).generate(
+        [[5, 6, 7, 8, 9]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        use_tqdm=False)[0].token_ids
     sections = {"gateway": {"stream_interval": 4, "stream_hold_ms": 60_000}}
     with Cluster(served_checkpoint, num_workers=1, sections=sections) as grouped:
         responses = _stream(grouped.stub)
