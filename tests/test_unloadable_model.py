@@ -71,25 +71,33 @@ CANNOT_LOAD = {
 }
 
 
+@pytest.fixture(scope="module")
+def cluster(served_checkpoint):
+    """One cluster for every case: each bad worker joins it under an id of its own."""
+    with Cluster(served_checkpoint, num_workers=1) as c:
+        yield c
+
+
 @pytest.mark.parametrize("case", CANNOT_LOAD)
-def test_a_worker_whose_model_cannot_load_tells_the_gateway_and_is_not_restarted(served_checkpoint, tmp_path, case):
+def test_a_worker_whose_model_cannot_load_tells_the_gateway_and_is_not_restarted(served_checkpoint, cluster, tmp_path,
+                                                                                 case):
     make, fault = CANNOT_LOAD[case]
     model_dir, flags = make(served_checkpoint, tmp_path)
     fault = fault.format(tmp_path=tmp_path)
-    with Cluster(served_checkpoint, num_workers=1) as cluster:
-        log = tmp_path / "worker-bad.log"
-        rc = _run_until_exit([sys.executable, "-m", "worker.supervisor", "--config", str(cluster.config_path),
-                              "--worker-id", "worker-bad", "--model-dir", str(model_dir), *flags], log)
-        text = log.read_text()
-        assert rc == EXIT_DO_NOT_RESTART, text
-        assert text.count("started model process") == 1, text
-        # One line names the fault; a traceback would only bury it.
-        assert f"worker-bad cannot load the model in {model_dir}: {fault}" in text and "Traceback" not in text, text
-        [entry] = [w for w in cluster.status().workers if w.worker_id == "worker-bad"]
-        assert not entry.alive
-        assert entry.exit_reason.startswith(f"cannot load the model in {model_dir}: {fault}"), entry.exit_reason
-        ids, _, _ = generate(cluster.stub, prompt_token_ids=[5, 6, 7], sampling=dict(max_tokens=4, ignore_eos=True))
-        assert len(ids) == 4
+    worker_id = f"worker-bad-{list(CANNOT_LOAD).index(case)}"
+    log = tmp_path / f"{worker_id}.log"
+    rc = _run_until_exit([sys.executable, "-m", "worker.supervisor", "--config", str(cluster.config_path),
+                          "--worker-id", worker_id, "--model-dir", str(model_dir), *flags], log)
+    text = log.read_text()
+    assert rc == EXIT_DO_NOT_RESTART, text
+    assert text.count("started model process") == 1, text
+    # One line names the fault; a traceback would only bury it.
+    assert f"{worker_id} cannot load the model in {model_dir}: {fault}" in text and "Traceback" not in text, text
+    [entry] = [w for w in cluster.status().workers if w.worker_id == worker_id]
+    assert not entry.alive
+    assert entry.exit_reason.startswith(f"cannot load the model in {model_dir}: {fault}"), entry.exit_reason
+    ids, _, _ = generate(cluster.stub, prompt_token_ids=[5, 6, 7], sampling=dict(max_tokens=4, ignore_eos=True))
+    assert len(ids) == 4
 
 
 def test_a_worker_answers_a_bad_config_value_as_the_gateway_does(capsys):
