@@ -54,12 +54,12 @@ def _response(state: RequestState, events: list[StreamEvent]) -> inference_pb2.G
     token_ids = [t for e in events if e.status is None for t in e.token_ids]
     response = inference_pb2.GenerateResponse(request_id=state.request_id, text=text, token_ids=token_ids,
                                               worker_id=state.worker_id or "")
-    for entry in (lp for e in events if e.status is None for lp in e.logprobs):
-        response.logprobs.add(token_id=entry.token_id, logprob=entry.logprob,
+    for e in events:
+        if e.status is None:
+            for field, entries in ((response.logprobs, e.logprobs), (response.prompt_logprobs, e.prompt_logprobs)):
+                for entry in entries or ():
+                    field.add(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
                               top=[inference_pb2.TopLogprob(token_id=t, logprob=p) for t, p in entry.top])
-    for entry in (lp for e in events if e.status is None and e.prompt_logprobs for lp in e.prompt_logprobs):
-        response.prompt_logprobs.add(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
-                                     top=[inference_pb2.TopLogprob(token_id=t, logprob=p) for t, p in entry.top])
     return response
 
 

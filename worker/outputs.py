@@ -64,11 +64,11 @@ class RequestDelta:
     prompt_logprobs: list[PromptLogprob] | None = None
 
 
-def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings: bool = False,
+def delta_for(request: Request, new_token_ids: Sequence[int] = (), is_first_token: bool = False,
               num_draft_tokens: int = 0, num_accepted_draft_tokens: int = 0) -> RequestDelta:
     """The delta of a step that took `new_token_ids` (the last ones of the request's output)."""
     worker_queue_ms = prefill_ms = 0.0
-    if with_timings and request.first_scheduled_s is not None and request.first_token_s is not None:
+    if is_first_token and request.first_scheduled_s is not None and request.first_token_s is not None:
         worker_queue_ms = (request.first_scheduled_s - request.arrival_s) * 1e3
         prefill_ms = (request.first_token_s - request.first_scheduled_s) * 1e3
     num_new = len(new_token_ids)
@@ -79,9 +79,8 @@ def delta_for(request: Request, new_token_ids: Sequence[int] = (), with_timings:
             new_logprobs = request.output_logprobs[-num_new:]
         if params.top_logprobs and request.output_top_logprobs:
             new_top_logprobs = request.output_top_logprobs[-num_new:]
-        if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+        if is_first_token and params.prompt_logprobs is not None:  # once: with the first token sampled here
             prompt_logprobs = request.prompt_logprobs
-            request.prompt_logprobs_sent = True
     status = request.status
     finished = status.is_finished
     # Arguments in the fields' order: keywords would cost every delta of every step more again.

@@ -63,9 +63,8 @@ class Request:
     # Speculative decoding by prompt lookup: its draft proposer, None when the request does not speculate.
     speculation: NgramSpeculation | None = None
     # params.prompt_logprobs: the entries of prompt tokens 1, 2, ... scored so far (worker/prompt_logprobs.py),
-    # and whether they have been reported (with the first token sampled here).
+    # reported with the first token sampled here.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
-    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         # prompt + output, kept as one list so a step never concatenates. Output tokens given at
