@@ -60,14 +60,16 @@ extern "C" double fma_gflops(int64_t threads, int64_t iterations) {
 
 @lru_cache(maxsize=1)
 def _module():
-    folder = Path(tempfile.mkdtemp(prefix="fma_peak_"))
-    (folder / "fma_peak.cpp").write_text(SOURCE)
-    built = subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp",
-                            "-shared", "-fPIC", "fma_peak.cpp", "-o", "fma_peak.so"], cwd=folder, capture_output=True,
-                           text=True, timeout=300)
-    if built.returncode:
-        raise RuntimeError(f"building the FMA peak probe failed:\n{built.stderr}")
-    library = ctypes.CDLL(str(folder / "fma_peak.so"))
+    # The loaded library stays mapped once its file is gone, so nothing is left in the temporary folder.
+    with tempfile.TemporaryDirectory(prefix="fma_peak_") as name:
+        folder = Path(name)
+        (folder / "fma_peak.cpp").write_text(SOURCE)
+        built = subprocess.run([os.environ.get("CXX", "c++"), "-O3", "-march=native", "-ffp-contract=fast",
+                                "-fopenmp", "-shared", "-fPIC", "fma_peak.cpp", "-o", "fma_peak.so"], cwd=folder,
+                               capture_output=True, text=True, timeout=300)
+        if built.returncode:
+            raise RuntimeError(f"building the FMA peak probe failed:\n{built.stderr}")
+        library = ctypes.CDLL(str(folder / "fma_peak.so"))
     library.fma_gflops.argtypes, library.fma_gflops.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double
     return library
 
