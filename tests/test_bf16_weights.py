@@ -33,17 +33,19 @@ def test_bf16_panels_compute_what_float32_panels_of_the_same_values_do():
     """The bf16 kernel widens exactly and accumulates in the same order: bit for bit the float32
     kernel's result on the widened weight, at every row tile size and a ragged last panel, whether
     the panel is widened in registers per row tile or, with AVX2 above 18 rows, once into a float32
-    copy."""
+    copy, and whether a one-row tile takes one panel or (AVX2) four: 3 panels, 5 (four, then a
+    ragged one) and 4 (the ragged one the last of four)."""
     kernels = cpu_kernels.load()
     g = torch.Generator().manual_seed(3)
-    for rows in (1, 2, 5, 6, 7, 13, 18, 19, 40, 100):
-        weight = torch.randn(37, 96, generator=g).to(torch.bfloat16)
-        x = torch.randn(rows, 96, generator=g)
-        got, want = torch.empty(rows, 37), torch.empty(rows, 37)
-        kernels.linear_packed(x, pack_panels(weight), got)
-        kernels.linear_packed(x, pack_panels(weight.float()), want)
-        assert torch.equal(got, want), rows
-        torch.testing.assert_close(got, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
+    for out_features in (37, 69, 55):
+        for rows in (1, 2, 5, 6, 7, 13, 18, 19, 40, 100):
+            weight = torch.randn(out_features, 96, generator=g).to(torch.bfloat16)
+            x = torch.randn(rows, 96, generator=g)
+            got, want = torch.empty(rows, out_features), torch.empty(rows, out_features)
+            kernels.linear_packed(x, pack_panels(weight), got)
+            kernels.linear_packed(x, pack_panels(weight.float()), want)
+            assert torch.equal(got, want), (out_features, rows)
+            torch.testing.assert_close(got, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
 
 
 def test_the_weights_are_held_in_bf16_and_everything_else_in_float32(tmp_path):

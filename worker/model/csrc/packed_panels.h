@@ -147,34 +147,49 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
     std::memcpy(out + i * out_features + (kPanels - 1) * kPanel, row, n_count * sizeof(float));
   }
 #elif defined(HAVE_AVX2_FMA)
-  static_assert(kPanels == 1, "one panel a tile on AVX2");
-  (void)panel_offset;
+  // kPanels adjacent panels (the last n_count wide): one FMA chain per panel half and row, so a
+  // one-row tile of four panels has the eight chains two FMA units of four cycles' latency need.
+  static_assert(kPanels * MR <= 6, "two accumulators per panel and row, of 16 registers");
   // Every loop over MR is unrolled before register allocation (GCC otherwise keeps the
   // accumulator arrays on the stack and stores them back on every step).
-  __m256 lo[MR], hi[MR];
+  __m256 lo[kPanels][MR], hi[kPanels][MR];
+#pragma GCC unroll 4
+  for (int q = 0; q < kPanels; ++q)
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i) lo[q][i] = hi[q][i] = _mm256_setzero_ps();
   int64_t prefetch_k = next != nullptr ? tile * kRowsPerLine : in_features;
   for (int64_t k = 0; k < in_features; ++k) {
     if (kPrefetch && k == prefetch_k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kRowStride), _MM_HINT_T1);
+#pragma GCC unroll 4
+      for (int q = 0; q < kPanels; q += kGroup)
+        _mm_prefetch(reinterpret_cast<const char*>(next + panel_offset(q) + k * kRowStride), _MM_HINT_T1);
       prefetch_k += num_tiles * kRowsPerLine;
     }
-    __m256 w_lo, w_hi;
-    load_panel_row(panel + k * kRowStride, w_lo, w_hi);
+    __m256 a[MR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256 a = _mm256_broadcast_ss(x + i * in_features + k);
-      lo[i] = _mm256_fmadd_ps(a, w_lo, lo[i]);
-      hi[i] = _mm256_fmadd_ps(a, w_hi, hi[i]);
+    for (int i = 0; i < MR; ++i) a[i] = _mm256_broadcast_ss(x + i * in_features + k);
+#pragma GCC unroll 4
+    for (int q = 0; q < kPanels; ++q) {
+      __m256 w_lo, w_hi;
+      load_panel_row(panel + panel_offset(q) + k * kRowStride, w_lo, w_hi);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        lo[q][i] = _mm256_fmadd_ps(a[i], w_lo, lo[q][i]);
+        hi[q][i] = _mm256_fmadd_ps(a[i], w_hi, hi[q][i]);
+      }
     }
   }
   alignas(32) float row[kPanel];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
-    _mm256_store_ps(row, lo[i]);
-    _mm256_store_ps(row + 8, hi[i]);
-    std::memcpy(out + i * out_features, row, n_count * sizeof(float));
+#pragma GCC unroll 4
+    for (int q = 0; q + 1 < kPanels; ++q) {
+      _mm256_storeu_ps(out + i * out_features + q * kPanel, lo[q][i]);
+      _mm256_storeu_ps(out + i * out_features + q * kPanel + 8, hi[q][i]);
+    }
+    _mm256_store_ps(row, lo[kPanels - 1][i]);
+    _mm256_store_ps(row + 8, hi[kPanels - 1][i]);
+    std::memcpy(out + i * out_features + (kPanels - 1) * kPanel, row, n_count * sizeof(float));
   }
 #else
   (void)panel_offset;
@@ -188,7 +203,7 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
 #endif
 }
 
-// kPanels: 1, or kPanelPair or kPanelQuad adjacent panels (the last n_count wide; AVX-512 only).
+// kPanels: 1, or kPanelPair (AVX-512) or kPanelQuad adjacent panels (the last n_count wide).
 template <int MR, bool kPrefetch, int kPanels, typename W, int kGroup = 1>
 inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
@@ -254,20 +269,29 @@ struct PanelRun {
   int64_t count, last_width;
 };
 
-#ifdef HAVE_AVX512_PANELS
-// Int8 calls of up to kQuadMaxRows rows take four panels a tile: a row's tile has one FMA chain
-// per panel, and with an int8 weight's bytes coming four times as fast as float32's, two chains'
-// latency bounds the tile once the weight is in cache or memory is fast.
+// Int8 calls (and bfloat16 ones on AVX2) of up to kQuadMaxRows rows take four panels a tile: a
+// row's tile has one FMA chain per panel (AVX-512; two on AVX2), and with the weight's bytes
+// coming two or four times as fast as float32's, the latency of so few chains bounds the tile
+// once the weight is in cache or memory is fast.
 constexpr int64_t kPanelQuad = 4;
+#ifdef HAVE_AVX512_PANELS
 constexpr int kQuadMaxRows = 2;
+#elif defined(HAVE_AVX2_FMA)
+constexpr int kQuadMaxRows = 1;
 #else
-constexpr int64_t kPanelQuad = 1;
 constexpr int kQuadMaxRows = 0;
 #endif
 
+template <typename W>
+constexpr bool kQuadFor = std::is_same_v<W, int8_t>
+#ifndef HAVE_AVX512_PANELS
+                          || std::is_same_v<W, at::BFloat16>
+#endif
+    ;
+
 inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t wanted) {
   int64_t count = 1;
-  if (wanted >= 4 && kPanelQuad == 4 && p + 3 < end)
+  if (wanted >= 4 && kQuadMaxRows > 0 && p + 3 < end)
     count = 4;
   else if (wanted >= 2 && kPanelPair == 2 && p + 1 < end)
     count = 2;
@@ -278,7 +302,7 @@ inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t 
 template <typename W, int kGroup = 1>
 inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows, int64_t in_features, const W* panel,
                           float* out_ptr, int64_t out_features, bool prefetch, const W* next) {
-#ifdef HAVE_AVX512_PANELS
+#if defined(HAVE_AVX512_PANELS) || defined(HAVE_AVX2_FMA)
   if (run.count == kPanelQuad) {  // rows <= kQuadMaxRows: one tile
     if (prefetch)
       return panel_rows<kQuadMaxRows, true, kPanelQuad, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
@@ -323,7 +347,7 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   const bool widen = kWidenable && rows > kWidenFromRows;
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better.
   const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows);
-  const int64_t wanted = !pairs ? 1 : std::is_same_v<W, int8_t> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
+  const int64_t wanted = !pairs ? 1 : kQuadFor<W> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
