@@ -41,7 +41,8 @@ def _reference(x: torch.Tensor, qw) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits, in_features, group_size", [
     (8, 256, 0), (8, 96, 0),  # whole 64-wide steps; an odd number of blocks
-    (4, 256, 128), (4, 96, 32), (4, 192, 96),  # groups of 2, 1 and 3 blocks
+    (4, 256, 128), (4, 96, 32), (4, 192, 96),  # groups of 4, 1 and 3 blocks
+    (4, 512, 256),  # groups of two whole units (AVX2's one-row tile steps through them)
 ])
 def test_the_kernels_compute_the_int8_rounded_product(bits, in_features, group_size):
     kernels = cpu_kernels.load()

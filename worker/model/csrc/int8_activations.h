@@ -56,6 +56,19 @@ struct WeightPanels {
   const uint8_t* panel_start(int64_t panel) const { return data + panel * panel_bytes; }
 };
 
+// The 32 bytes of block `local` of group g of weight row j of a tile: int8 weights + 128, or
+// bytes whose nibbles at `shift` are the int4 weights.
+struct BlockBytes {
+  const uint8_t* bytes;
+  int shift;
+};
+
+inline BlockBytes block_bytes(const WeightPanels& panels, bool int8, int64_t tile, int64_t j, int64_t g, int64_t local) {
+  const int64_t slot = g * panels.slots_per_group + local / 2, half = local % 2;
+  if (int8) return {panels.unit(tile, slot, j) + half * kBlock, 0};
+  return {panels.unit(tile, slot / 2, j) + half * kBlock, static_cast<int>(4 * (slot % 2))};
+}
+
 // The bytes of one output-major INT4 panel with its group columns inside.
 inline int64_t panel_bytes_with_columns(int64_t units_per_row, int64_t num_groups) {
   return units_per_row * kPanelUnitBytes + num_groups * kColumnBlockFloats * 4;

@@ -18,6 +18,7 @@
 // instruction, takes int8 as |xq| against the weight carrying xq's sign.
 #include "kernels.h"
 #include "int8_activations.h"
+#include "int8_activations_avx2.h"
 #include "int8_activations_avx512.h"
 #include "output_tiles.h"
 #include "vector_math.h"
@@ -77,84 +78,6 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   return a;
 }
 
-// The 32 bytes of block `local` of group g of weight row j of a tile: int8 weights + 128, or
-// bytes whose nibbles at `shift` are the int4 weights.
-struct BlockBytes {
-  const uint8_t* bytes;
-  int shift;
-};
-
-inline BlockBytes block_bytes(const WeightPanels& panels, bool int8, int64_t tile, int64_t j, int64_t g, int64_t local) {
-  const int64_t slot = g * panels.slots_per_group + local / 2, half = local % 2;
-  if (int8) return {panels.unit(tile, slot, j) + half * kBlock, 0};
-  return {panels.unit(tile, slot / 2, j) + half * kBlock, static_cast<int>(4 * (slot % 2))};
-}
-
-#ifdef HAVE_AVX2_FMA
-// 8 int32 lanes, each the sum of 4 products of unsigned u and signed s bytes.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  // Pairs in int16 cannot saturate: |u| <= 127 against |s| <= 127, or u <= 15.
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// One tile of R rows of x by C weight rows (column tile `tile`); per group, a float accumulator
-// per (row, weight row).
-template <int64_t R, int64_t C, bool kInt8, typename Finish>
-inline void tile_avx2(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
-                      int64_t group_size, int64_t m0, int64_t tile, float total[kRows][kCols], Finish& finish) {
-  for (int64_t g = 0; g < in_features / group_size; ++g) {
-    __m256 acc[R][C];
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t local = 0; local < group_size / kBlock; ++local) {
-      const int64_t k = g * group_size + local * kBlock, b = k / kBlock;
-      for (int64_t j = 0; j < C; ++j) {
-        const BlockBytes block = block_bytes(panels, kInt8, tile, j, g, local);
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.bytes));
-        __m256i w;
-        if constexpr (kInt8)
-          w = _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
-        else
-          w = _mm256_and_si256(block.shift ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
-        for (int64_t i = 0; i < R; ++i) {
-          const int64_t at = (m0 + i) * in_features + k;
-          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at));
-          __m256i products;
-          if constexpr (kInt8)
-            products = dot_u8s8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.magnitude.data() + at)),
-                                _mm256_sign_epi8(w, xq));
-          else
-            products = dot_u8s8(w, xq);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products),
-                                      _mm256_set1_ps(a.scales[(m0 + i) * a.blocks_per_row + b]), acc[i][j]);
-        }
-      }
-    }
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t j = 0; j < C; ++j)
-        total[i][j] += finish(m0 + i, tile * kCols + j, g, horizontal_sum(acc[i][j]));
-  }
-}
-
-template <int64_t R, bool kInt8, typename Finish>
-inline void tile_columns(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
-                         int64_t group_size, int64_t m0, int64_t tile, int64_t n_count, float total[kRows][kCols],
-                         Finish& finish) {
-  static_assert(kCols == 4, "one case per column count below");
-  switch (n_count) {
-    case 4: return tile_avx2<R, 4, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
-    case 3: return tile_avx2<R, 3, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
-    case 2: return tile_avx2<R, 2, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
-    default: return tile_avx2<R, 1, kInt8>(a, panels, in_features, group_size, m0, tile, total, finish);
-  }
-}
-#endif
 
 
 // The portable tile: the same integer block dots, scaled and summed in float per group.
