@@ -19,7 +19,8 @@ def weight():
 
 @pytest.mark.parametrize("bits, group_size", [(8, 0), (4, 8), (4, 32), (4, 128)])
 def test_our_kernels_on_ragged_tiles(bits, group_size):
-    """Our kernels tile 3 input rows x 4 weight rows (x 8 on AVX-512): every count of leftover
+    """Our kernels tile 3 input rows x 4 weight rows (x 8 on AVX-512, and for one row of INT4 in
+    groups of whole runs of 32 on AVX2): every count of leftover
     rows and weight rows (98 = 24 x 4 + 2 = 12 x 8 + 2) must still match the dequantized
     reference, on both sides of the row counts where a call switches to float32 panels (15 and 18
     rows on AVX2; on AVX-512, where K is whole blocks of 64, whose panels are filled by

@@ -5,6 +5,7 @@
 #include "output_tiles.h"
 #include "packed_panels.h"
 #include "vector_math.h"
+#include "weight_only_avx2.h"
 #include "weight_only_avx512.h"
 
 #include <ATen/Parallel.h>
@@ -637,6 +638,15 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
                                                              _mm256_set1_ps(s[n * num_groups + g]),
                                                              _mm256_set1_ps(z[n * num_groups + g]));
                                     }));
+  }
+#endif
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
+  if (rows == 1 && group_size % weight_only_avx2::kRun == 0) {
+    std::vector<float> x_sums(num_groups);
+    sum_x_groups(x_ptr, 1, in_features, group_size, x_sums.data());
+    const std::vector<float> split_x = split_features<weight_only_avx2::kRun>(x_ptr, 1, in_features);
+    return weight_only_avx2::int4_row(split_x.data(), x_sums.data(), q, s, z, in_features, out_features, group_size,
+                                      out.data_ptr<float>());
   }
 #endif
 #ifdef HAVE_AVX512_WEIGHT_ONLY
