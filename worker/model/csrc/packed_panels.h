@@ -165,17 +165,17 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
         _mm_prefetch(reinterpret_cast<const char*>(next + panel_offset(q) + k * kRowStride), _MM_HINT_T1);
       prefetch_k += num_tiles * kRowsPerLine;
     }
-    __m256 a[MR];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) a[i] = _mm256_broadcast_ss(x + i * in_features + k);
 #pragma GCC unroll 4
     for (int q = 0; q < kPanels; ++q) {
       __m256 w_lo, w_hi;
       load_panel_row(panel + panel_offset(q) + k * kRowStride, w_lo, w_hi);
+      // One broadcast live at a time: a 6-row tile's 12 accumulators and 2 weight vectors leave
+      // room for no more (holding all 6 spilled the tile); a one-row tile's repeats fold into one.
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        lo[q][i] = _mm256_fmadd_ps(a[i], w_lo, lo[q][i]);
-        hi[q][i] = _mm256_fmadd_ps(a[i], w_hi, hi[q][i]);
+        const __m256 a = _mm256_broadcast_ss(x + i * in_features + k);
+        lo[q][i] = _mm256_fmadd_ps(a, w_lo, lo[q][i]);
+        hi[q][i] = _mm256_fmadd_ps(a, w_hi, hi[q][i]);
       }
     }
   }
