@@ -640,15 +640,6 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
                                     }));
   }
 #endif
-#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
-  if (rows == 1 && group_size % weight_only_avx2::kRun == 0) {
-    std::vector<float> x_sums(num_groups);
-    sum_x_groups(x_ptr, 1, in_features, group_size, x_sums.data());
-    const std::vector<float> split_x = split_features<weight_only_avx2::kRun>(x_ptr, 1, in_features);
-    return weight_only_avx2::int4_row(split_x.data(), x_sums.data(), q, s, z, in_features, out_features, group_size,
-                                      out.data_ptr<float>());
-  }
-#endif
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   if (group_size % wide::kSplitRun == 0)
     return int4_tiles(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(), [=](int64_t n0) {
@@ -668,6 +659,20 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
     return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
   };
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
+  if (rows == 1 && group_size % weight_only_avx2::kRun == 0) {
+    constexpr int64_t kCols = weight_only_avx2::kCols;
+    const std::vector<float> split_x = split_features<weight_only_avx2::kRun>(x_ptr, 1, in_features);
+    auto finish_row = [&](int64_t n, int64_t g, float dot_q) { return finish(0, n, g, dot_q); };
+    return for_each_output_tile<1, kCols>(1, out_features, out.data_ptr<float>(),
+                                          [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
+                                              float total[1][kCols]) {
+                                            weight_only_avx2::int4_row_tile(split_x.data(), q, in_features,
+                                                                            out_features, group_size, n0, total[0],
+                                                                            finish_row);
+                                          });
+  }
+#endif
   // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.
   auto tiles = [&](auto split) {
     constexpr bool kSplit = decltype(split)::value;
