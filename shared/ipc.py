@@ -302,13 +302,15 @@ class WorkerSocket:
         self.worker_id = worker_id
         self.incarnation = incarnation
 
-    def send(self, envelope: worker_pb2.Envelope) -> bool:
-        """False when the gateway is unreachable and the frame was dropped."""
+    def send(self, envelope: worker_pb2.Envelope, wait: bool = True) -> bool:
+        """False when the gateway is unreachable and the frame was dropped. `wait`: for a connection
+        (or room in its queue) up to WORKER_SEND_TIMEOUT_MS; without it a frame no connection takes
+        now is dropped at once."""
         self._watch_handshakes()
         envelope.worker_id = self.worker_id
         envelope.incarnation = self.incarnation
         try:
-            self.socket.send(encode(envelope))
+            self.socket.send(encode(envelope), flags=0 if wait else zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False

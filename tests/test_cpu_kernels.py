@@ -269,6 +269,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
              "sys.exit(0 if c.load() is not None else 1)")
     lock = cpu_kernels.build_dir() / cpu_kernels.TORCH_BUILD_LOCK  # the subprocess's folder too: same environment
     lock.touch()
+    (cpu_kernels.build_dir() / cpu_kernels.BUILT_STAMP).unlink(missing_ok=True)  # so the start goes through the builder
     try:
         again = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                                cwd=Path(__file__).parent.parent)
@@ -276,6 +277,33 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
         lock.unlink(missing_ok=True)
     assert again.returncode == 0, again.stderr
     assert "left by a process that died" in again.stderr
+
+
+@needs_kernels
+def test_a_start_after_a_build_loads_the_module_without_the_builder():
+    # Importing torch's builder brings its compiler stack (over a second of every worker's start).
+    import subprocess
+    import sys
+    from pathlib import Path
+    assert cpu_kernels.load() is not None  # built and stamped
+    probe = ("import sys; from worker.model import cpu_kernels as c; m = c.load(); "
+             "print(m.__file__, 'torch.utils.cpp_extension' in sys.modules)")
+    again = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).parent.parent)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split() == [cpu_kernels.load().__file__, "False"]
+
+
+@needs_kernels
+def test_a_stamp_of_other_sources_or_a_missing_module_is_not_loaded(tmp_path):
+    module = cpu_kernels.load()
+    cpu_kernels._write_built_stamp(tmp_path, "digest-a", module)
+    assert cpu_kernels._load_built(tmp_path, "digest-a").__file__ == module.__file__
+    assert cpu_kernels._load_built(tmp_path, "digest-b") is None  # the sources changed: the builder rebuilds
+    (tmp_path / cpu_kernels.BUILT_STAMP).write_text('{"sources": "digest-a", "name": "x", "module": "/nowhere.so"}')
+    assert cpu_kernels._load_built(tmp_path, "digest-a") is None
+    (tmp_path / cpu_kernels.BUILT_STAMP).write_text("{not json")
+    assert cpu_kernels._load_built(tmp_path, "digest-a") is None
 
 
 def test_two_source_trees_run_by_one_environment_build_apart(monkeypatch, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from cluster_harness import free_port
 from protos import worker_pb2
-from shared.ipc import GatewaySocket, WorkerSocket
+from shared.ipc import WORKER_SEND_TIMEOUT_MS, GatewaySocket, WorkerSocket
 
 
 def _endpoints():
@@ -49,6 +49,16 @@ def test_a_worker_does_not_block_when_no_gateway_listens():
     assert worker.send(worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat())) is False
     assert time.monotonic() - started < 5
     assert worker.recv_all(0.01) == []
+    worker.close()
+
+
+def test_a_frame_sent_without_waiting_is_dropped_at_once_when_no_gateway_listens():
+    # Heartbeats and a stopping worker's last word: one that waited out the send timeout for a
+    # gateway that is gone held up every stop of a cluster stopped all at once by seconds.
+    worker = WorkerSocket(f"tcp://127.0.0.1:{free_port()}", "worker-0", "inc")
+    started = time.monotonic()
+    assert worker.send(worker_pb2.Envelope(heartbeat=worker_pb2.Heartbeat()), wait=False) is False
+    assert time.monotonic() - started < WORKER_SEND_TIMEOUT_MS / 1000 / 2
     worker.close()
 
 

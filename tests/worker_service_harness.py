@@ -26,7 +26,7 @@ class FakeSocket:
         self.sent: list[worker_pb2.Envelope] = []
         self.closed_with_linger_ms: int | None = None
 
-    def send(self, envelope: worker_pb2.Envelope) -> bool:
+    def send(self, envelope: worker_pb2.Envelope, wait: bool = True) -> bool:
         self.sent.append(envelope)
         return True
 

@@ -9,7 +9,9 @@ exits EXIT_DO_NOT_RESTART, which its supervisor does not restart.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import os
 import sys
 
 import zmq
@@ -53,4 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The exit handlers run (logs flushed), then the process ends without the interpreter's
+    # teardown: freeing torch's and the kernels' state module by module took over a second, which
+    # every stop and restart waited on, and leaves nothing a model process needs done.
+    atexit._run_exitfuncs()
+    os._exit(code)

@@ -13,7 +13,6 @@ place (unpacked with numpy), one bitmask row per constrained row: an allowed tok
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
@@ -21,11 +20,6 @@ from typing import Sequence
 import llguidance
 import numpy as np
 import torch
-
-with warnings.catch_warnings():
-    # llguidance.torch's import touches torch.jit, which torch now marks deprecated.
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import llguidance.torch as llg_torch
 
 DEFAULT_CACHE_SIZE = 64
 
@@ -106,12 +100,15 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence[C
 
 
 def fill_bitmask(constraints: Sequence[Constraint], vocab_size: int) -> torch.Tensor:
-    """[R, ceil(V / 32)] int32, bit t of row i set where constraints[i] allows token t next."""
+    """[R, ceil(V / 32)] int32, bit t of row i set where constraints[i] allows token t next. Filled
+    by llguidance's executor directly, not through llguidance.torch, whose import alone (it builds
+    a torch.compile kernel, so torch's compiler comes with it) took seconds of every worker's start."""
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    bitmask = llg_torch.allocate_token_bitmask(len(constraints), vocab_size)
-    llg_torch.fill_next_token_bitmask_par(_executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask)
+    bitmask = torch.full((len(constraints), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    _executor.unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], bitmask.data_ptr(),
+                                      bitmask.shape[1] * 4, len(constraints))
     return bitmask
 
 

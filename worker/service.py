@@ -53,11 +53,11 @@ def engine_config(config: ClusterConfig) -> EngineConfig:
     return config.worker.engine_config(num_threads=config.worker_threads())
 
 
-def say_goodbye(socket: WorkerSocket, reason: str, stopping: bool = False) -> None:
+def say_goodbye(socket: WorkerSocket, reason: str, stopping: bool = False, wait: bool = True) -> None:
     """Tell the gateway this process is exiting and why (WorkerExit), then close the socket,
     leaving the frame EXIT_LINGER_MS to go (honoured when the process ends the ZeroMQ context:
-    worker/__main__.py)."""
-    socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason, stopping=stopping)))
+    worker/__main__.py). `wait`: for a connection, as WorkerSocket.send."""
+    socket.send(worker_pb2.Envelope(exit=worker_pb2.WorkerExit(reason=reason, stopping=stopping)), wait=wait)
     socket.close(linger_ms=EXIT_LINGER_MS)
 
 
@@ -136,7 +136,10 @@ class WorkerService:
             self.heartbeat.stop(send_last=reason is None)
             self.heartbeat.join(timeout=2)
             # A stop leaves the requests still here unfinished too: the gateway resumes them at once.
-            say_goodbye(self.socket, reason or "stopped on a signal", stopping=reason is None)
+            # Where the last heartbeat found no gateway (all of a cluster stopped at once), the word
+            # would only wait out the send timeout.
+            say_goodbye(self.socket, reason or "stopped on a signal", stopping=reason is None,
+                        wait=self.heartbeat.delivered)
         return 0 if reason is None else 1
 
     def _on_signal(self, signum, _frame) -> None:

@@ -152,17 +152,21 @@ class HeartbeatThread(threading.Thread):
         self._hung_after_s = hung_after_s
         self._stopped = threading.Event()
         self._send_last = True
+        self.delivered = False  # whether the last heartbeat found a connection to the gateway
         self.snapshot = LoadSnapshot()  # replaced whole by the loop: an atomic reference swap
 
     def run(self) -> None:
         socket = WorkerSocket(*self._args, routed=False, keys=self._keys)
         unheard = Unheard(socket.endpoint)
         try:
+            # Heartbeats never wait for a connection: the next one goes on it, and one that waited
+            # for a gateway that is gone would hold up this thread's stop.
             while not self._stopped.is_set():
-                unheard.after_send(socket.send(self.heartbeat()), time.monotonic())
+                self.delivered = socket.send(self.heartbeat(), wait=False)
+                unheard.after_send(self.delivered, time.monotonic())
                 self._stopped.wait(self._interval_s)
             if self._send_last:  # a draining worker says so at once rather than going quiet
-                socket.send(self.heartbeat())
+                self.delivered = socket.send(self.heartbeat(), wait=False)
         finally:
             socket.close()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import sys
@@ -26,6 +28,7 @@ _SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "li
             "rotary.cpp", "decoder_layers.cpp", "linear_int8_activations.cpp")
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
 TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
+BUILT_STAMP = "built.json"  # the sources' digest and the module a finished build of them made
 
 
 def build_dir() -> Path:
@@ -44,18 +47,45 @@ def load():
     if os.environ.get(DISABLE_ENV):
         return None
     try:
+        folder, sources = build_dir(), _sources_hash()
+        if (module := _load_built(folder, sources)) is not None:
+            return module
         from torch.utils.cpp_extension import load as build
-        folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
         log.info("loading our CPU kernels (compiled on first use, about a minute)")
         with _build_guard(folder):
-            return build(name="inference_cpu_kernels", sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
-                         build_directory=str(folder),
-                         extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKERNEL_SOURCES={_sources_hash()}"],
-                         extra_ldflags=["-fopenmp"], verbose=False)
+            module = build(name="inference_cpu_kernels", sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
+                           build_directory=str(folder),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKERNEL_SOURCES={sources}"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+            _write_built_stamp(folder, sources, module)
+            return module
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
         log.warning("CPU kernels unavailable (%s); using the torch attention path", exc)
         return None
+
+
+def _load_built(folder: Path, sources: str):
+    """The module torch's builder last made in `folder` from these sources, loaded directly, or None.
+    The builder's import alone brings torch's compiler stack with it: over a second of every
+    worker's start, for a module that is already built."""
+    try:
+        stamp = json.loads((folder / BUILT_STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    path = Path(stamp.get("module", ""))
+    if stamp.get("sources") != sources or not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(stamp["name"], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_built_stamp(folder: Path, sources: str, module) -> None:
+    partial = folder / f"{BUILT_STAMP}.{os.getpid()}"
+    partial.write_text(json.dumps({"sources": sources, "name": module.__name__, "module": module.__file__}))
+    os.replace(partial, folder / BUILT_STAMP)  # whole or absent for a start reading it unlocked
 
 
 def int4_row_tiles(kernels) -> list[str]:
