@@ -143,17 +143,18 @@ def test_int8_weight_panels_save_load_and_switch_layouts(weight):
         torch.testing.assert_close(layer(x), before, rtol=0, atol=0.02 * before.abs().max().item())
 
 
-@pytest.mark.parametrize("tile,group_size", [("bf16", 128), ("fma", 128), ("vnni", 128), ("vnni", 256), ("vnni", 64)])
+@pytest.mark.parametrize("tile,group_size", [("bf16", 128), ("fma", 128), ("vnni", 128), ("vnni", 256), ("vnni", 64),
+                                             ("int8", 64), ("int8", 128), ("int8", 32)])
 def test_a_single_int4_row_keeps_float_activations(tile, group_size):
     """One row of x by INT4 weights takes its own tile (float FMAs on the raw nibbles; bf16 dot
     products with x split into two bf16 parts, on AVX512_BF16 builds; int8 dot products with x as
-    two int8 parts of a group's grid, on AVX512_VNNI builds): its error against float64 stays a
+    two int8 parts of a group's grid, on AVX512_VNNI builds, and the same on AVX2 builds): its error against float64 stays a
     small fraction of what rounding x once to bf16 (or to int8) would give, at every scale of x,
     and it agrees with the same row computed among others (the float FMA tiles) to float32
     precision (the int8 tile: within its grid's bound, the int8 parts holding x to 2^-16 of the
     largest |x| of its 32 features, the product of such an x and the INT4 weights exact). Groups the int8
-    tile does not take (not whole runs of 128) go through the FMA tile, and a group of x that is
-    all zeros stays exact."""
+    tile does not take (not whole runs of 128 for VNNI's, of 64 for AVX2's) go through the FMA tile,
+    and a group of x that is all zeros stays exact."""
     torch.manual_seed(3)
     qw = quantize(torch.randn(200, 1024), 4, group_size=group_size)
     layer = QuantizedLinear(qw, path="ours")
@@ -176,7 +177,7 @@ def test_a_single_int4_row_keeps_float_activations(tile, group_size):
             bf16_once = x[:1].bfloat16().double() @ w.t()
             assert (alone - reference).abs().max() < (bf16_once - reference).abs().max() / 16
             atol = 3e-5 * reference.abs().max().item()
-            if tile == "vnni" and group_size % 128 == 0:
+            if (tile, group_size % {"vnni": 128, "int8": 64}.get(tile, 1)) in (("vnni", 0), ("int8", 0)):
                 # Each element is held to its 32 features' unit, 1/(127 * 256) of their largest |x|
                 # (half that but where the residual's rounding clamps): the error of each output is
                 # within the weights' magnitudes times those units, plus float32 rounding.
@@ -198,19 +199,15 @@ def test_the_int4_row_tile_is_chosen_by_vendor_unless_told():
     if kernels is None:
         pytest.skip("our CPU kernels are not built here")
     chosen = kernels.int4_row_kernel()
-    assert chosen in ("bf16", "fma", "vnni")
+    assert chosen in ("bf16", "fma", "vnni", "int8")
     assert kernels.int4_row_kernel("fma") == "fma" and kernels.int4_row_kernel() == "fma"
     assert kernels.int4_row_kernel("auto") == chosen
     with pytest.raises(RuntimeError, match="int4_row_kernel"):
         kernels.int4_row_kernel("fastest")
     vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
     assert chosen != "bf16" or vendor == "AuthenticAMD"  # only AMD hosts take the bf16 tile by default
-    if vendor != "AuthenticAMD":
-        try:
-            kernels.int4_row_kernel("vnni")
-            built = True
-        except RuntimeError:
-            built = False
-        finally:
-            kernels.int4_row_kernel("auto")
-        assert chosen == ("vnni" if built else "fma")  # elsewhere the int8 tile wherever it is built
+    built = set(cpu_kernels.int4_row_tiles(kernels))
+    assert kernels.int4_row_kernel() == chosen
+    if vendor != "AuthenticAMD" or "bf16" not in built:
+        # elsewhere an int8 tile wherever one is built: VNNI's, else AVX2's
+        assert chosen == ("vnni" if "vnni" in built else "int8" if "int8" in built else "fma")

@@ -90,9 +90,10 @@ def _write_built_stamp(folder: Path, sources: str, module) -> None:
 
 def int4_row_tiles(kernels) -> list[str]:
     """The one-row INT4 tiles this build of `kernels` has, each a choice `int4_row_kernel` takes
-    ("fma" always; "bf16" and "vnni" where the compiler targeted them); the choice is left as it was."""
+    ("fma" always; "bf16" and "vnni" where the compiler targeted them, "int8" on AVX2 builds without
+    the AVX-512 kernels); the choice is left as it was."""
     chosen, tiles = kernels.int4_row_kernel(), ["fma"]
-    for tile in ("bf16", "vnni"):
+    for tile in ("bf16", "vnni", "int8"):
         try:
             kernels.int4_row_kernel(tile)
             tiles.append(tile)

@@ -391,11 +391,12 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
 
 namespace {
 // Which tile multiplies a single row of x by INT4 weights: float FMAs on the raw nibbles, bf16
-// dot products (AVX512_BF16 builds) or int8 dot products (AVX512_VNNI builds). Measured per call
-// (docs/benchmarks.md, "One INT4 row"): on an Intel Xeon the int8 tile is the fastest, on AMD
-// Zen 5 the bf16 tile was measured faster than the FMA one. "auto" picks by the CPU's vendor
-// among the tiles this build has; tests and benchmarks force any of them.
-enum class Int4RowTile { kAuto, kFma, kBf16, kVnni };
+// dot products (AVX512_BF16 builds), int8 dot products (AVX512_VNNI builds) or their AVX2 form
+// ("int8": builds without the AVX-512 kernels). Measured per call (docs/benchmarks.md, "One INT4
+// row"): on an Intel Xeon the VNNI tile is the fastest, on AMD Zen 5 the bf16 tile was measured
+// faster than the FMA one, and on an AVX2 Zen 3 the int8 tile is. "auto" picks by the CPU's
+// vendor among the tiles this build has; tests and benchmarks force any of them.
+enum class Int4RowTile { kAuto, kFma, kBf16, kVnni, kInt8 };
 std::atomic<Int4RowTile> g_int4_row_tile{Int4RowTile::kAuto};
 
 #ifdef HAVE_AVX512_BF16_NIBBLES
@@ -408,6 +409,11 @@ constexpr bool kVnniTileBuilt = true;
 #else
 constexpr bool kVnniTileBuilt = false;
 #endif
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
+constexpr bool kInt8TileBuilt = true;
+#else
+constexpr bool kInt8TileBuilt = false;
+#endif
 
 Int4RowTile int4_row_tile_in_use() {
   static const Int4RowTile automatic = [] {
@@ -417,7 +423,8 @@ Int4RowTile int4_row_tile_in_use() {
     amd = __builtin_cpu_is("amd") != 0;
 #endif
     if (amd && kBf16TileBuilt) return Int4RowTile::kBf16;
-    return kVnniTileBuilt ? Int4RowTile::kVnni : Int4RowTile::kFma;
+    if (kVnniTileBuilt) return Int4RowTile::kVnni;
+    return kInt8TileBuilt ? Int4RowTile::kInt8 : Int4RowTile::kFma;
   }();
   const Int4RowTile choice = g_int4_row_tile.load(std::memory_order_relaxed);
   return choice == Int4RowTile::kAuto ? automatic : choice;
@@ -427,18 +434,21 @@ Int4RowTile int4_row_tile_in_use() {
 std::string int4_row_kernel(const std::string& choice) {
   if (!choice.empty()) {
     TORCH_CHECK(choice == "auto" || choice == "fma" || (choice == "bf16" && kBf16TileBuilt) ||
-                    (choice == "vnni" && kVnniTileBuilt),
+                    (choice == "vnni" && kVnniTileBuilt) || (choice == "int8" && kInt8TileBuilt),
                 "int4_row_kernel: \"auto\", \"fma\"", kBf16TileBuilt ? ", \"bf16\"" : "",
-                kVnniTileBuilt ? ", \"vnni\"" : "", " (the tiles this build has), got ", choice);
+                kVnniTileBuilt ? ", \"vnni\"" : "", kInt8TileBuilt ? ", \"int8\"" : "",
+                " (the tiles this build has), got ", choice);
     g_int4_row_tile.store(choice == "auto"   ? Int4RowTile::kAuto
                           : choice == "bf16" ? Int4RowTile::kBf16
                           : choice == "vnni" ? Int4RowTile::kVnni
+                          : choice == "int8" ? Int4RowTile::kInt8
                                              : Int4RowTile::kFma,
                           std::memory_order_relaxed);
   }
   switch (int4_row_tile_in_use()) {
     case Int4RowTile::kBf16: return "bf16";
     case Int4RowTile::kVnni: return "vnni";
+    case Int4RowTile::kInt8: return "int8";
     default: return "fma";
   }
 }
@@ -653,6 +663,23 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
       }
       return weights;
     });
+#endif
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
+  if (rows == 1 && group_size % weight_only_avx2::kPartsRun == 0 && int4_row_tile_in_use() == Int4RowTile::kInt8) {
+    constexpr int64_t kCols = weight_only_avx2::kCols;
+    const weight_only_avx2::RowParts parts = weight_only_avx2::split_x_parts(x_ptr, in_features, group_size);
+    // The zero-point term takes x as the parts give it, as the dots do.
+    auto finish_parts = [&](int64_t n, int64_t g, float dot_q) {
+      return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * parts.sums[g];
+    };
+    return for_each_output_tile<1, kCols>(1, out_features, out.data_ptr<float>(),
+                                          [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
+                                              float total[1][kCols]) {
+                                            weight_only_avx2::int4_parts_row_tile(parts, q, in_features,
+                                                                                  out_features, group_size, n0,
+                                                                                  total[0], finish_parts);
+                                          });
+  }
 #endif
   std::vector<float> x_sums(rows * num_groups);
   sum_x_groups(x_ptr, rows, in_features, group_size, x_sums.data());

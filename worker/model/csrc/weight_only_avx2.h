@@ -4,13 +4,18 @@
 // has only their four weight rows' FMA chains. Here a tile takes 8 weight rows (eight chains)
 // and 32 features a step: one broadcast load of their 16 bytes, the low and high nibbles masked
 // out once, and each 8 of them put in float lanes by one in-lane byte shuffle and a convert,
-// about four instructions per FMA. Empty unless the compiler targets AVX2 and FMA.
+// about four instructions per FMA. Beside it, the tile of int8 dot products (int4_parts_row_tile,
+// below), which takes x to 2^-16 of its largest |x| per 32 features for half the instructions.
+// Empty unless the compiler targets AVX2 and FMA.
 #pragma once
 
 #include "vector_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #ifdef HAVE_AVX2_FMA
 namespace weight_only_avx2 {
@@ -56,6 +61,107 @@ inline void int4_row_tile(const float* split_x, const uint8_t* q, int64_t in_fea
                                  acc[j]);
         acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, second)),
                                  acc[j]);
+      }
+    }
+    for (int64_t j = 0; j < kCols; ++j) total[j] += finish(n[j], g, horizontal_sum(acc[j]));
+  }
+}
+
+// A single row of x by INT4 weights through int8 dot products (maddubs: 32 unsigned bytes by 32
+// signed ones, summed in pairs into int16, then in pairs into int32 by madd), the AVX2 form of
+// the AVX-512 VNNI tile (weight_only_avx512.h, int4_row_tile_vnni) and the same arithmetic: x as
+// two int8 parts on a grid per 32 features, x ~ unit * (256 * upper + lower), upper = x rounded
+// to 1/127 of the largest |x| of its 32 features, lower its residual in 1/256 of that step, so
+// each element keeps 2^-16 of that largest; the integer dots are exact, and the result is the
+// float32 product of that x and the INT4 weights. A step takes 64 features, one 32-byte load of
+// each weight row: the masked low nibbles are the even features of its two runs of 32 (one run
+// per 128-bit lane) and the high ones the odd features, each multiplied by the parts in that
+// order. About 15 instructions per 64 weights where int4_row_tile takes about 30. The zero-point
+// term must take the same x (RowParts::sums).
+constexpr int64_t kPartsRun = 64;  // features a step of the int8 tile
+
+// One row of x for int4_parts_row_tile. Per step of 64 features: 128 bytes (the upper parts of
+// its even features, of its odd ones, then the lower parts of each; in each, 16 bytes of its
+// first 32 features then 16 of its last) and 8 units (4 lanes of the first 32's unit, 4 of the
+// last's). Per group, the sum of x as the parts give it.
+struct RowParts {
+  std::vector<int8_t> bytes;
+  std::vector<float> units, sums;
+};
+
+inline RowParts split_x_parts(const float* x, int64_t in_features, int64_t group_size) {
+  RowParts out{std::vector<int8_t>(2 * in_features, 0), std::vector<float>(in_features / kLanes),
+               std::vector<float>(in_features / group_size, 0.f)};
+  for (int64_t k = 0; k < in_features; k += 32) {
+    const float* block = x + k;
+    const int64_t half = (k / 32) % 2;
+    float top = 0.f;
+    bool finite = true;
+    for (int64_t i = 0; i < 32; ++i) {
+      finite &= std::isfinite(block[i]);
+      top = std::max(top, std::fabs(block[i]));
+    }
+    // A NaN or infinity in x makes the unit NaN, so every output is NaN as the float product's
+    // would not be finite either (the parts alone would turn it into some finite value).
+    const float unit = finite ? top / 127.f / 256.f : std::numeric_limits<float>::quiet_NaN();
+    std::fill_n(out.units.data() + (k - 32 * half) / kLanes + 4 * half, 4, unit);
+    if (top == 0.f || !finite) continue;  // parts stay zero
+    int8_t* step = out.bytes.data() + 2 * (k - 32 * half) + 16 * half;
+    const float to_upper = 127.f / top;
+    int32_t total = 0;
+    for (int64_t i = 0; i < 32; ++i) {
+      const float scaled = block[i] * to_upper;
+      const float upper = std::nearbyint(scaled);
+      const float lower = std::min(127.f, std::max(-128.f, std::nearbyint((scaled - upper) * 256.f)));
+      const int64_t at = 32 * (i % 2) + i / 2;  // evens, then odds
+      step[at] = static_cast<int8_t>(upper);
+      step[64 + at] = static_cast<int8_t>(lower);
+      total += 256 * static_cast<int32_t>(upper) + static_cast<int32_t>(lower);
+    }
+    out.sums[k / group_size] += unit * static_cast<float>(total);
+  }
+  return out;
+}
+
+// One tile: `total[j]` += finish(n, g, x_g . q[n]_g) for each group g (whole steps of 64) of weight
+// rows n = n0 + j, x as its parts, q [N, K/2] (past the last row the tile repeats it, and the
+// caller drops those outputs).
+template <typename Finish>
+inline void int4_parts_row_tile(const RowParts& x, const uint8_t* q, int64_t in_features, int64_t out_features,
+                                int64_t group_size, int64_t n0, float total[kCols], Finish& finish) {
+  const int64_t row_bytes = in_features / 2;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1), upper_weight = _mm256_set1_epi16(256);
+  int64_t n[kCols];
+  const uint8_t* rows[kCols];
+  for (int64_t j = 0; j < kCols; ++j) {
+    n[j] = std::min(n0 + j, out_features - 1);
+    rows[j] = q + n[j] * row_bytes;
+  }
+  for (int64_t g = 0; g < in_features / group_size; ++g) {
+    __m256 acc[kCols];
+    for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kPartsRun) {
+      const int8_t* parts = x.bytes.data() + 2 * k;
+      const __m256i upper_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts));
+      const __m256i upper_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 32));
+      const __m256i lower_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 64));
+      const __m256i lower_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 96));
+      const __m256 units = _mm256_loadu_ps(x.units.data() + k / kLanes);
+      for (int64_t j = 0; j < kCols; ++j) {
+        const uint8_t* bytes = rows[j] + k / 2;
+        // The next tile's rows lie after this tile's: its steps fetch all of the next one ahead.
+        _mm_prefetch(reinterpret_cast<const char*>(bytes) + kCols * row_bytes, _MM_HINT_T0);
+        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+        const __m256i even = _mm256_and_si256(both, nibble);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+        // int16 sums of four products each: at most 4 * 15 * 128, no saturation.
+        const __m256i upper = _mm256_add_epi16(_mm256_maddubs_epi16(even, upper_even),
+                                               _mm256_maddubs_epi16(odd, upper_odd));
+        const __m256i lower = _mm256_add_epi16(_mm256_maddubs_epi16(even, lower_even),
+                                               _mm256_maddubs_epi16(odd, lower_odd));
+        const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(upper, upper_weight), _mm256_madd_epi16(lower, ones));
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), units, acc[j]);
       }
     }
     for (int64_t j = 0; j < kCols; ++j) total[j] += finish(n[j], g, horizontal_sum(acc[j]));
