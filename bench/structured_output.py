@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -81,7 +82,9 @@ def measure_masks(model_dir: Path, label: str, steps: int) -> dict:
     from shared.sampling_params import SamplingParams
     from worker.sampler import Sampler, SamplingBatch
 
-    llg_torch = wc.llg_torch
+    with warnings.catch_warnings():  # its import touches torch.jit, which torch marks deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import llguidance.torch as llg_torch  # llguidance's own kernel, for comparison (the worker does not use it)
     vocab_size, _ = model_limits(model_dir)
     eos = eos_ids(model_dir)
     grammar = GatewayCompiler(model_dir, vocab_size, eos).grammar(pb.StructuredOutput(json_schema=json.dumps(W1_SCHEMA)))
@@ -150,9 +153,10 @@ FIRST_MASK_SNIPPET = """
 import time, torch
 torch.set_num_threads({threads})
 import worker.constraints as wc
-x = torch.randn({rows}, {vocab}); m = wc.llg_torch.allocate_token_bitmask({rows}, {vocab})
+import llguidance.torch as llg_torch
+x = torch.randn({rows}, {vocab}); m = llg_torch.allocate_token_bitmask({rows}, {vocab})
 t0 = time.perf_counter(); wc.apply_bitmask(x, list(range({rows})), m); t1 = time.perf_counter()
-t2 = time.perf_counter(); wc.llg_torch.apply_token_bitmask_inplace(x, m); t3 = time.perf_counter()
+t2 = time.perf_counter(); llg_torch.apply_token_bitmask_inplace(x, m); t3 = time.perf_counter()
 print(t1 - t0, t3 - t2)
 """
 

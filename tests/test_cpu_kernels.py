@@ -304,6 +304,11 @@ def test_a_stamp_of_other_sources_or_a_missing_module_is_not_loaded(tmp_path):
     assert cpu_kernels._load_built(tmp_path, "digest-a") is None
     (tmp_path / cpu_kernels.BUILT_STAMP).write_text("{not json")
     assert cpu_kernels._load_built(tmp_path, "digest-a") is None
+    # A module that no longer loads (built against another Python, truncated, ...) is rebuilt, not fatal.
+    (tmp_path / "broken.so").write_bytes(b"not a shared object")
+    (tmp_path / cpu_kernels.BUILT_STAMP).write_text(
+        '{"sources": "digest-a", "name": "broken", "module": "%s"}' % (tmp_path / "broken.so"))
+    assert cpu_kernels._load_built(tmp_path, "digest-a") is None
 
 
 def test_two_source_trees_run_by_one_environment_build_apart(monkeypatch, tmp_path):

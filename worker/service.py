@@ -136,10 +136,10 @@ class WorkerService:
             self.heartbeat.stop(send_last=reason is None)
             self.heartbeat.join(timeout=2)
             # A stop leaves the requests still here unfinished too: the gateway resumes them at once.
-            # Where the last heartbeat found no gateway (all of a cluster stopped at once), the word
-            # would only wait out the send timeout.
+            # Where the last heartbeat found no gateway (all of a cluster stopped at once), a stop's
+            # word would only wait out the send timeout; a fatal error's reason is worth the wait.
             say_goodbye(self.socket, reason or "stopped on a signal", stopping=reason is None,
-                        wait=self.heartbeat.delivered)
+                        wait=self.heartbeat.delivered or reason is not None)
         return 0 if reason is None else 1
 
     def _on_signal(self, signum, _frame) -> None:

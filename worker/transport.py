@@ -159,10 +159,13 @@ class HeartbeatThread(threading.Thread):
         socket = WorkerSocket(*self._args, routed=False, keys=self._keys)
         unheard = Unheard(socket.endpoint)
         try:
-            # Heartbeats never wait for a connection: the next one goes on it, and one that waited
-            # for a gateway that is gone would hold up this thread's stop.
+            # Only the first heartbeat waits for the connection (the gateway learns of this worker by
+            # it); later ones never do: the next goes on it, and one that waited for a gateway that
+            # is gone would hold up this thread's stop.
+            first = True
             while not self._stopped.is_set():
-                self.delivered = socket.send(self.heartbeat(), wait=False)
+                self.delivered = socket.send(self.heartbeat(), wait=first)
+                first = False
                 unheard.after_send(self.delivered, time.monotonic())
                 self._stopped.wait(self._interval_s)
             if self._send_last:  # a draining worker says so at once rather than going quiet

@@ -28,7 +28,7 @@ _SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "li
             "rotary.cpp", "decoder_layers.cpp", "linear_int8_activations.cpp")
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
 TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
-BUILT_STAMP = "built.json"  # the sources' digest and the module a finished build of them made
+BUILT_STAMP = "built.json"  # the build's key (sources, flags, Python) and the module a finished build made
 
 
 def build_dir() -> Path:
@@ -48,17 +48,25 @@ def load():
         return None
     try:
         folder, sources = build_dir(), _sources_hash()
-        if (module := _load_built(folder, sources)) is not None:
+        cflags, ldflags = ["-O3", "-march=native", "-fopenmp", f"-DKERNEL_SOURCES={sources}"], ["-fopenmp"]
+        # What torch's builder would rebuild for, beyond what names the folder (environment, torch,
+        # source tree): the sources, the flags, the file list, the Python and compiler it builds with.
+        key = hashlib.sha1(json.dumps([sources, cflags, ldflags, _SOURCES, sys.version,
+                                       os.environ.get("CXX", "")]).encode()).hexdigest()[:16]
+        if (module := _load_built(folder, key)) is not None:
             return module
         from torch.utils.cpp_extension import load as build
         folder.mkdir(parents=True, exist_ok=True)
         log.info("loading our CPU kernels (compiled on first use, about a minute)")
         with _build_guard(folder):
+            # No start may take the module by the stamp while the builder may be replacing it.
+            (folder / BUILT_STAMP).unlink(missing_ok=True)
             module = build(name="inference_cpu_kernels", sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
-                           build_directory=str(folder),
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKERNEL_SOURCES={sources}"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-            _write_built_stamp(folder, sources, module)
+                           build_directory=str(folder), extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
+            try:
+                _write_built_stamp(folder, key, module)
+            except OSError as exc:  # the next start goes through the builder again: slower, no worse
+                log.warning("could not record the CPU kernels' build (%s)", exc)
             return module
     except Exception as exc:  # no compiler, no ninja, ...: the torch path still works
         log.warning("CPU kernels unavailable (%s); using the torch attention path", exc)
@@ -66,7 +74,8 @@ def load():
 
 
 def _load_built(folder: Path, sources: str):
-    """The module torch's builder last made in `folder` from these sources, loaded directly, or None.
+    """The module torch's builder last made in `folder` from these sources (`sources`: the key of
+    them and everything the build depends on), loaded directly, or None.
     The builder's import alone brings torch's compiler stack with it: over a second of every
     worker's start, for a module that is already built."""
     try:
@@ -76,16 +85,23 @@ def _load_built(folder: Path, sources: str):
     path = Path(stamp.get("module", ""))
     if stamp.get("sources") != sources or not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(stamp["name"], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec = importlib.util.spec_from_file_location(stamp["name"], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as exc:  # whatever the module no longer loads against: the builder remakes it
+        log.warning("the built CPU kernels at %s do not load (%s); building them again", path, exc)
+        return None
     return module
 
 
 def _write_built_stamp(folder: Path, sources: str, module) -> None:
     partial = folder / f"{BUILT_STAMP}.{os.getpid()}"
-    partial.write_text(json.dumps({"sources": sources, "name": module.__name__, "module": module.__file__}))
-    os.replace(partial, folder / BUILT_STAMP)  # whole or absent for a start reading it unlocked
+    try:
+        partial.write_text(json.dumps({"sources": sources, "name": module.__name__, "module": module.__file__}))
+        os.replace(partial, folder / BUILT_STAMP)  # whole or absent for a start reading it unlocked
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def int4_row_tiles(kernels) -> list[str]:

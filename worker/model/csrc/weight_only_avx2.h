@@ -106,8 +106,9 @@ inline RowParts split_x_parts(const float* x, int64_t in_features, int64_t group
     const float unit = finite ? top / 127.f / 256.f : std::numeric_limits<float>::quiet_NaN();
     std::fill_n(out.units.data() + (k - 32 * half) / kLanes + 4 * half, 4, unit);
     if (top == 0.f || !finite) continue;  // parts stay zero
-    int8_t* step = out.bytes.data() + 2 * (k - 32 * half) + 16 * half;
     const float to_upper = 127.f / top;
+    if (!std::isfinite(to_upper)) continue;  // |x| below about 4e-37: zero parts, as good as its product
+    int8_t* step = out.bytes.data() + 2 * (k - 32 * half) + 16 * half;
     int32_t total = 0;
     for (int64_t i = 0; i < 32; ++i) {
       const float scaled = block[i] * to_upper;
