@@ -300,14 +300,14 @@ def test_a_stamp_of_other_sources_or_a_missing_module_is_not_loaded(tmp_path):
     cpu_kernels._write_built_stamp(tmp_path, "digest-a", module)
     assert cpu_kernels._load_built(tmp_path, "digest-a").__file__ == module.__file__
     assert cpu_kernels._load_built(tmp_path, "digest-b") is None  # the sources changed: the builder rebuilds
-    (tmp_path / cpu_kernels.BUILT_STAMP).write_text('{"sources": "digest-a", "name": "x", "module": "/nowhere.so"}')
+    (tmp_path / cpu_kernels.BUILT_STAMP).write_text('{"key": "digest-a", "name": "x", "module": "/nowhere.so"}')
     assert cpu_kernels._load_built(tmp_path, "digest-a") is None
     (tmp_path / cpu_kernels.BUILT_STAMP).write_text("{not json")
     assert cpu_kernels._load_built(tmp_path, "digest-a") is None
     # A module that no longer loads (built against another Python, truncated, ...) is rebuilt, not fatal.
     (tmp_path / "broken.so").write_bytes(b"not a shared object")
     (tmp_path / cpu_kernels.BUILT_STAMP).write_text(
-        '{"sources": "digest-a", "name": "broken", "module": "%s"}' % (tmp_path / "broken.so"))
+        '{"key": "digest-a", "name": "broken", "module": "%s"}' % (tmp_path / "broken.so"))
     assert cpu_kernels._load_built(tmp_path, "digest-a") is None
 
 

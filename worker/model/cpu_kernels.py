@@ -73,9 +73,9 @@ def load():
         return None
 
 
-def _load_built(folder: Path, sources: str):
-    """The module torch's builder last made in `folder` from these sources (`sources`: the key of
-    them and everything the build depends on), loaded directly, or None.
+def _load_built(folder: Path, key: str):
+    """The module torch's builder last made in `folder` for this `key` (of the sources and everything
+    else the build depends on), loaded directly, or None.
     The builder's import alone brings torch's compiler stack with it: over a second of every
     worker's start, for a module that is already built."""
     try:
@@ -83,7 +83,7 @@ def _load_built(folder: Path, sources: str):
     except (OSError, ValueError):
         return None
     path = Path(stamp.get("module", ""))
-    if stamp.get("sources") != sources or not path.is_file():
+    if stamp.get("key") != key or not path.is_file():
         return None
     try:
         spec = importlib.util.spec_from_file_location(stamp["name"], path)
@@ -95,10 +95,10 @@ def _load_built(folder: Path, sources: str):
     return module
 
 
-def _write_built_stamp(folder: Path, sources: str, module) -> None:
+def _write_built_stamp(folder: Path, key: str, module) -> None:
     partial = folder / f"{BUILT_STAMP}.{os.getpid()}"
     try:
-        partial.write_text(json.dumps({"sources": sources, "name": module.__name__, "module": module.__file__}))
+        partial.write_text(json.dumps({"key": key, "name": module.__name__, "module": module.__file__}))
         os.replace(partial, folder / BUILT_STAMP)  # whole or absent for a start reading it unlocked
     finally:
         partial.unlink(missing_ok=True)

@@ -665,20 +665,22 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     });
 #endif
 #if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
-  if (rows == 1 && group_size % weight_only_avx2::kPartsRun == 0 && int4_row_tile_in_use() == Int4RowTile::kInt8) {
+  // One row on AVX2: tiles of weight_only_avx2::kCols weight rows, tile(n0, total) filling each.
+  auto row_tiles = [&](auto tile) {
     constexpr int64_t kCols = weight_only_avx2::kCols;
+    for_each_output_tile<1, kCols>(1, out_features, out.data_ptr<float>(),
+                                   [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
+                                       float total[1][kCols]) { tile(n0, total[0]); });
+  };
+  if (rows == 1 && group_size % weight_only_avx2::kPartsRun == 0 && int4_row_tile_in_use() == Int4RowTile::kInt8) {
     const weight_only_avx2::RowParts parts = weight_only_avx2::split_x_parts(x_ptr, in_features, group_size);
     // The zero-point term takes x as the parts give it, as the dots do.
     auto finish_parts = [&](int64_t n, int64_t g, float dot_q) {
       return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * parts.sums[g];
     };
-    return for_each_output_tile<1, kCols>(1, out_features, out.data_ptr<float>(),
-                                          [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
-                                              float total[1][kCols]) {
-                                            weight_only_avx2::int4_parts_row_tile(parts, q, in_features,
-                                                                                  out_features, group_size, n0,
-                                                                                  total[0], finish_parts);
-                                          });
+    return row_tiles([&](int64_t n0, float* total) {
+      weight_only_avx2::int4_parts_row_tile(parts, q, in_features, out_features, group_size, n0, total, finish_parts);
+    });
   }
 #endif
   std::vector<float> x_sums(rows * num_groups);
@@ -688,16 +690,11 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   };
 #if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
   if (rows == 1 && group_size % weight_only_avx2::kRun == 0) {
-    constexpr int64_t kCols = weight_only_avx2::kCols;
     const std::vector<float> split_x = split_features<weight_only_avx2::kRun>(x_ptr, 1, in_features);
     auto finish_row = [&](int64_t n, int64_t g, float dot_q) { return finish(0, n, g, dot_q); };
-    return for_each_output_tile<1, kCols>(1, out_features, out.data_ptr<float>(),
-                                          [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
-                                              float total[1][kCols]) {
-                                            weight_only_avx2::int4_row_tile(split_x.data(), q, in_features,
-                                                                            out_features, group_size, n0, total[0],
-                                                                            finish_row);
-                                          });
+    return row_tiles([&](int64_t n0, float* total) {
+      weight_only_avx2::int4_row_tile(split_x.data(), q, in_features, out_features, group_size, n0, total, finish_row);
+    });
   }
 #endif
   // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.

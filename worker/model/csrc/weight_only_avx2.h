@@ -94,7 +94,7 @@ inline RowParts split_x_parts(const float* x, int64_t in_features, int64_t group
                std::vector<float>(in_features / group_size, 0.f)};
   for (int64_t k = 0; k < in_features; k += 32) {
     const float* block = x + k;
-    const int64_t half = (k / 32) % 2;
+    const int64_t step = k / kPartsRun, half = k % kPartsRun / 32;  // each step's first 32, then its last
     float top = 0.f;
     bool finite = true;
     for (int64_t i = 0; i < 32; ++i) {
@@ -104,19 +104,19 @@ inline RowParts split_x_parts(const float* x, int64_t in_features, int64_t group
     // A NaN or infinity in x makes the unit NaN, so every output is NaN as the float product's
     // would not be finite either (the parts alone would turn it into some finite value).
     const float unit = finite ? top / 127.f / 256.f : std::numeric_limits<float>::quiet_NaN();
-    std::fill_n(out.units.data() + (k - 32 * half) / kLanes + 4 * half, 4, unit);
+    std::fill_n(out.units.data() + step * kLanes + 4 * half, 4, unit);
     if (top == 0.f || !finite) continue;  // parts stay zero
     const float to_upper = 127.f / top;
     if (!std::isfinite(to_upper)) continue;  // |x| below about 4e-37: zero parts, as good as its product
-    int8_t* step = out.bytes.data() + 2 * (k - 32 * half) + 16 * half;
+    int8_t* bytes = out.bytes.data() + step * 2 * kPartsRun + 16 * half;
     int32_t total = 0;
     for (int64_t i = 0; i < 32; ++i) {
       const float scaled = block[i] * to_upper;
       const float upper = std::nearbyint(scaled);
       const float lower = std::min(127.f, std::max(-128.f, std::nearbyint((scaled - upper) * 256.f)));
       const int64_t at = 32 * (i % 2) + i / 2;  // evens, then odds
-      step[at] = static_cast<int8_t>(upper);
-      step[64 + at] = static_cast<int8_t>(lower);
+      bytes[at] = static_cast<int8_t>(upper);
+      bytes[kPartsRun + at] = static_cast<int8_t>(lower);
       total += 256 * static_cast<int32_t>(upper) + static_cast<int32_t>(lower);
     }
     out.sums[k / group_size] += unit * static_cast<float>(total);
