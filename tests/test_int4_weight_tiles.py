@@ -16,7 +16,7 @@ from worker.model.quantized_weight import dequantize_int4, quantize
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="our CPU kernels did not build")
 needs_tiles = pytest.mark.skipif(
     cpu_kernels.load() is None or not cpu_kernels.load().int4_weight_tiles_supported(256, 128),
-    reason="this build's kernels do not take held INT4 tiles (AVX-512 only)")
+    reason="this build's kernels do not take held INT4 tiles (AVX2 and AVX-512 only)")
 
 
 @pytest.mark.parametrize("rows, in_features", [(21, 256), (8, 128), (3, 384)])
@@ -56,8 +56,10 @@ def test_the_kernels_take_tiles_only_for_groups_of_128():
     assert not kernels.int4_weight_tiles_supported(192, 128)  # K not whole groups
 
 
-@needs_tiles
-def test_avx512_kernels_take_tiles_for_groups_of_128():
+def test_avx2_and_avx512_kernels_take_tiles_for_groups_of_128():
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    if " avx2" not in flags or " fma" not in flags:
+        pytest.skip("a host without AVX2 and FMA builds the portable kernels, which read row-major only")
     assert cpu_kernels.load().int4_weight_tiles_supported(256, 128)
     assert int4_weight_tiles.supported(5632, 128)
 

@@ -1,6 +1,6 @@
-"""The layout a weight-only INT4 weight is held in where our AVX-512 kernels read it
-(`Int4HeldTile` in worker/model/csrc/weight_only_avx512.h): one forward stream per tile of 8
-output rows, with the scales and zeros inside.
+"""The layout a weight-only INT4 weight is held in where our AVX2 and AVX-512 kernels read it
+(worker/model/csrc/int4_weight_layouts.h; `Int4HeldTile` in weight_only_avx512.h): one forward
+stream per tile of 8 output rows, with the scales and zeros inside.
 
 A row-major INT4 weight is [N, K/2] uint8 nibbles (feature 2j in the low nibble of byte j, 2j + 1
 in the high one) with scales and zeros [N, K/G] float32. With groups of 128 features, a group of

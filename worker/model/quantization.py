@@ -145,7 +145,7 @@ class QuantizedLinear(nn.Module):
         """Where our kernels run this weight-only layer, hold its weight in the layout they stream
         and drop the row-major copy, and run it through them at every step size: INT8 as int8
         panels (`pack_panels`, grouped as this host's kernels read them best; widened inside the
-        float32 panel tiles), INT4 with groups of 128 on AVX-512 hosts as held tiles
+        float32 panel tiles), INT4 with groups of 128 on AVX2 and AVX-512 hosts as held tiles
         (worker/model/int4_weight_tiles.py: one stream per 8 rows, scales and zeros inside)."""
         if (self.int8_activations or self.held_panels is not None
                 or not self.path_available("ours", self.scales.device)):

@@ -1,6 +1,7 @@
 // Linear kernels: the packed-panel float32 linear of every float projection on the CPU fast
 // path, and the weight-only INT8 / INT4 small-batch linears that widen their weights in registers.
 #include "dequantized_panels_avx512.h"
+#include "int4_weight_layouts.h"
 #include "kernels.h"
 #include "output_tiles.h"
 #include "packed_panels.h"
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -38,8 +40,6 @@ constexpr int64_t kInt4WidenFromRows = 15;
 // tiles of several rows (int4_rows_tile) widen each nibble once for all of them and scale once
 // a group, so they hold out longer where groups are long.
 constexpr int64_t kInt8ByteFillFromRows = 5;
-// Lines per group of a held INT4 tile (Int4HeldTile): its 8 rows' bytes, then the columns.
-constexpr int64_t kHeldTileLines = 9;
 inline int64_t int4_byte_fill_from_rows(int64_t group_size) {
 #ifdef HAVE_AVX512_WEIGHT_ONLY
   if (group_size % weight_only_avx512::kSplitRun == 0) return group_size % 128 == 0 ? 10 : 6;
@@ -498,7 +498,9 @@ void int4_through_panels(const float* x_ptr, int64_t rows, int64_t in_features, 
 #ifdef HAVE_AVX512_WEIGHT_ONLY
 namespace {
 namespace wide = weight_only_avx512;
-static_assert(kHeldTileLines == wide::kHeldGroupBytes / 64, "a held group is its rows' lines and one of columns");
+static_assert(wide::kHeldGroup == int4_layout::kHeldGroup && wide::kHeldGroupBytes == int4_layout::kHeldGroupBytes &&
+                  wide::kCols == int4_layout::kTileRows,
+              "Int4HeldTile reads the held tiles of int4_weight_layouts.h");
 
 // A 16-row panel of held INT4 tiles (two tiles) as int4_panel reads it.
 struct HeldPanelRows {
@@ -575,23 +577,107 @@ void int4_tiles(const float* x_ptr, int64_t rows, int64_t in_features, int64_t o
 
 // Whether `weight` has the shape of held INT4 tiles: [tiles, groups, 8 rows + 1 of columns, 64].
 bool held_int4_tiles(const at::Tensor& weight) {
-  return weight.dtype() == at::kByte && weight.dim() == 4 && weight.size(2) == kHeldTileLines && weight.size(3) == 64;
+  return weight.dtype() == at::kByte && weight.dim() == 4 && weight.size(2) == int4_layout::kTileRows + 1 &&
+         weight.size(3) == int4_layout::kLineBytes;
 }
 
 bool int4_weight_tiles_supported(int64_t in_features, int64_t group_size) {
-#ifdef HAVE_AVX512_WEIGHT_ONLY
-  return group_size == wide::kHeldGroup && in_features % group_size == 0;
+#ifdef HAVE_AVX2_FMA
+  return group_size == int4_layout::kHeldGroup && in_features % group_size == 0;
 #else
   (void)in_features, (void)group_size;
   return false;
 #endif
 }
 
+namespace {
+// The weight-only INT4 routes below the AVX-512 kernels, over either layout (`w`:
+// int4_layout::RowMajor or HeldTiles): many rows through float32 panels, one row through the
+// AVX2 one-row tiles, the rest through the register tiles of kTileM x kTileN.
+template <typename Weights>
+void int4_small_batch(const float* x_ptr, int64_t rows, int64_t in_features, int64_t out_features,
+                      int64_t group_size, float* out_ptr, const Weights& w) {
+  const int64_t num_groups = in_features / group_size;
+#ifdef HAVE_AVX2_FMA
+  if (rows > (fills_by_bytes(in_features) ? int4_byte_fill_from_rows(group_size) : kInt4WidenFromRows))
+    return quantized_through_panels(x_ptr, rows, in_features, out_features, out_ptr, 0,
+                                    fill_by_transposes(in_features, group_size, [=](int64_t n, int64_t k, int64_t g) {
+                                      return _mm256_fmadd_ps(widen_int4(w.bytes(n, k)),
+                                                             _mm256_set1_ps(w.scale(n, g)),
+                                                             _mm256_set1_ps(w.zero(n, g)));
+                                    }));
+#endif
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
+  // One row on AVX2: tiles of weight_only_avx2::kCols weight rows, tile(n0, total) filling each.
+  auto row_tiles = [&](auto tile) {
+    constexpr int64_t kCols = weight_only_avx2::kCols;
+    for_each_output_tile<1, kCols>(1, out_features, out_ptr,
+                                   [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
+                                       float total[1][kCols]) { tile(n0, total[0]); });
+  };
+  if (rows == 1 && group_size % weight_only_avx2::kPartsRun == 0 && int4_row_tile_in_use() == Int4RowTile::kInt8) {
+    const weight_only_avx2::RowParts parts = weight_only_avx2::split_x_parts(x_ptr, in_features, group_size);
+    return row_tiles([&](int64_t n0, float* total) {
+      weight_only_avx2::int4_parts_row_tile(parts, w, in_features, out_features, group_size, n0, total);
+    });
+  }
+#endif
+  std::vector<float> x_sums(rows * num_groups);
+  sum_x_groups(x_ptr, rows, in_features, group_size, x_sums.data());
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
+  if (rows == 1 && group_size % weight_only_avx2::kRun == 0) {
+    const std::vector<float> split_x = split_features<weight_only_avx2::kRun>(x_ptr, 1, in_features);
+    return row_tiles([&](int64_t n0, float* total) {
+      weight_only_avx2::int4_row_tile(split_x.data(), x_sums.data(), w, in_features, out_features, group_size, n0,
+                                      total);
+    });
+  }
+#endif
+  // One explicit fma where the layouts are both read (AVX2 builds), so that the compiler's
+  // contraction cannot round them differently; the portable build has no fma instruction.
+  auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
+#ifdef HAVE_AVX2_FMA
+    return std::fma(w.scale(n, g), dot_q, w.zero(n, g) * x_sums[m * num_groups + g]);
+#else
+    return w.scale(n, g) * dot_q + w.zero(n, g) * x_sums[m * num_groups + g];
+#endif
+  };
+  // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.
+  auto tiles = [&](auto split) {
+    constexpr bool kSplit = decltype(split)::value;
+    const std::vector<float> split_x = kSplit ? split_features<16>(x_ptr, rows, in_features) : std::vector<float>();
+    quantized_tiles(
+        kSplit ? split_x.data() : x_ptr, rows, in_features, out_features, group_size, out_ptr,
+        [&](int64_t n, int64_t k, float* weights) {
+          for (int64_t i = 0; i < kLanes; ++i) {
+            const int64_t f = kSplit ? split_feature<16>(k, i) : k + i;
+            weights[i] = static_cast<float>((*w.bytes(n, f) >> (4 * (f % 2))) & 0x0F);
+          }
+        },
+#ifdef HAVE_AVX2_FMA
+        [&](int64_t n, int64_t k) {
+          if constexpr (kSplit)
+            return widen_int4_split(w.bytes(n, k & ~int64_t{15}), k);
+          else
+            return widen_int4(w.bytes(n, k));
+        },
+#else
+        nullptr,
+#endif
+        finish);
+  };
+#ifdef HAVE_AVX2_FMA
+  if (group_size % 16 == 0) return tiles(std::true_type{});
+#endif
+  tiles(std::false_type{});
+}
+}  // namespace
+
 // x [M, K] float32 -> out [M, N] by an INT4 weight with groups of G features: qweight [N, K/2]
 // uint8 (column 2j in the low nibble of byte j, 2j+1 in the high one) with scales and zeros
-// [N, K/G] float32, or held tiles [ceil(N / 8), K / 128, 9, 64] uint8 (Int4HeldTile, where
-// int4_weight_tiles_supported: the scales and zeros inside them; `scales` and `zeros` then only
-// give their sizes, and `out` the number of outputs).
+// [N, K/G] float32, or held tiles [ceil(N / 8), K / 128, 9, 64] uint8 (int4_weight_layouts.h,
+// where int4_weight_tiles_supported: the scales and zeros inside them; `scales` and `zeros` then
+// only give their sizes, and `out` the number of outputs).
 void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales, at::Tensor zeros,
                              int64_t group_size, at::Tensor out) {
   const int64_t in_features = x.size(1);
@@ -605,16 +691,17 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
               "scales and zeros: [N, K/G]");
   const float* x_ptr = x.data_ptr<float>();
   if (held) {
-#ifdef HAVE_AVX512_WEIGHT_ONLY
     TORCH_CHECK(int4_weight_tiles_supported(in_features, group_size),
-                "held INT4 tiles take groups of ", wide::kHeldGroup, " features, got ", group_size);
+                "held INT4 tiles need this build's AVX2 or AVX-512 kernels and groups of ", int4_layout::kHeldGroup,
+                " features, got ", group_size);
     TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() &&
-                    qweight.size(0) == (out_features + wide::kCols - 1) / wide::kCols &&
+                    qweight.size(0) == (out_features + int4_layout::kTileRows - 1) / int4_layout::kTileRows &&
                     qweight.size(1) == num_groups,
-                "held INT4 tiles: contiguous uint8 [ceil(N / ", wide::kCols, "), K / ", wide::kHeldGroup, ", ",
-                wide::kCols + 1, ", 64] for out [M, N]");
+                "held INT4 tiles: contiguous uint8 [ceil(N / ", int4_layout::kTileRows, "), K / ",
+                int4_layout::kHeldGroup, ", ", int4_layout::kTileRows + 1, ", 64] for out [M, N]");
     const uint8_t* tiles = qweight.data_ptr<uint8_t>();
-    const int64_t tile_bytes = num_groups * wide::kHeldGroupBytes;
+    const int64_t tile_bytes = num_groups * int4_layout::kHeldGroupBytes;
+#ifdef HAVE_AVX512_WEIGHT_ONLY
     auto tile_of = [=](int64_t n0) { return tiles + n0 / wide::kCols * tile_bytes; };  // the tile of output n0
     if (rows > int4_byte_fill_from_rows(group_size))
       return int4_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
@@ -622,7 +709,8 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
     return int4_tiles(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
                       [=](int64_t n0) { return wide::Int4HeldTile{tile_of(n0), tile_bytes}; });
 #else
-    TORCH_CHECK(false, "held INT4 tiles need this build's AVX-512 kernels (int4_weight_tiles_supported)");
+    return int4_small_batch(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                            int4_layout::HeldTiles{tiles, tile_bytes});
 #endif
   }
   TORCH_CHECK(qweight.dtype() == at::kByte && qweight.is_contiguous() && qweight.dim() == 2 &&
@@ -631,99 +719,29 @@ void linear_small_batch_int4(at::Tensor x, at::Tensor qweight, at::Tensor scales
   const uint8_t* q = qweight.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   const float* z = zeros.data_ptr<float>();
-  auto row_of = [&](int64_t n) { return q + n * (in_features / 2); };
-#ifdef HAVE_AVX2_FMA
-  if (rows > (fills_by_bytes(in_features) ? int4_byte_fill_from_rows(group_size) : kInt4WidenFromRows)) {
 #ifdef HAVE_AVX512_DEQUANTIZED_PANELS
-    if (fills_by_bytes(in_features))
-      return int4_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-                                 [=](int64_t n0) {
-                                   return RowMajorPanelRows{q + n0 * (in_features / 2), s + n0 * num_groups,
-                                                            z + n0 * num_groups, in_features / 2, num_groups};
-                                 });
-#endif
-    return quantized_through_panels(x_ptr, rows, in_features, out_features, out.data_ptr<float>(), 0,
-                                    fill_by_transposes(in_features, group_size, [=](int64_t n, int64_t k, int64_t g) {
-                                      return _mm256_fmadd_ps(widen_int4(row_of(n) + k / 2),
-                                                             _mm256_set1_ps(s[n * num_groups + g]),
-                                                             _mm256_set1_ps(z[n * num_groups + g]));
-                                    }));
-  }
+  if (fills_by_bytes(in_features) && rows > int4_byte_fill_from_rows(group_size))
+    return int4_through_panels(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                               [=](int64_t n0) {
+                                 return RowMajorPanelRows{q + n0 * (in_features / 2), s + n0 * num_groups,
+                                                          z + n0 * num_groups, in_features / 2, num_groups};
+                               });
 #endif
 #ifdef HAVE_AVX512_WEIGHT_ONLY
-  if (group_size % wide::kSplitRun == 0)
+  if (rows <= (fills_by_bytes(in_features) ? int4_byte_fill_from_rows(group_size) : kInt4WidenFromRows) &&
+      group_size % wide::kSplitRun == 0)
     return int4_tiles(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(), [=](int64_t n0) {
       // Past the last weight row a tile repeats it, and those outputs are dropped.
       wide::Int4RowPointers weights{{}, {}, {}, in_features / 2};
       for (int64_t j = 0; j < wide::kCols; ++j) {
         const int64_t n = std::min(n0 + j, out_features - 1);
-        weights.rows[j] = row_of(n);
+        weights.rows[j] = q + n * (in_features / 2);
         weights.scales[j] = s + n * num_groups;
         weights.zeros[j] = z + n * num_groups;
       }
       return weights;
     });
 #endif
-#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
-  // One row on AVX2: tiles of weight_only_avx2::kCols weight rows, tile(n0, total) filling each.
-  auto row_tiles = [&](auto tile) {
-    constexpr int64_t kCols = weight_only_avx2::kCols;
-    for_each_output_tile<1, kCols>(1, out_features, out.data_ptr<float>(),
-                                   [&](int64_t, int64_t, int64_t, int64_t, int64_t n0, int64_t,
-                                       float total[1][kCols]) { tile(n0, total[0]); });
-  };
-  if (rows == 1 && group_size % weight_only_avx2::kPartsRun == 0 && int4_row_tile_in_use() == Int4RowTile::kInt8) {
-    const weight_only_avx2::RowParts parts = weight_only_avx2::split_x_parts(x_ptr, in_features, group_size);
-    // The zero-point term takes x as the parts give it, as the dots do.
-    auto finish_parts = [&](int64_t n, int64_t g, float dot_q) {
-      return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * parts.sums[g];
-    };
-    return row_tiles([&](int64_t n0, float* total) {
-      weight_only_avx2::int4_parts_row_tile(parts, q, in_features, out_features, group_size, n0, total, finish_parts);
-    });
-  }
-#endif
-  std::vector<float> x_sums(rows * num_groups);
-  sum_x_groups(x_ptr, rows, in_features, group_size, x_sums.data());
-  auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
-    return s[n * num_groups + g] * dot_q + z[n * num_groups + g] * x_sums[m * num_groups + g];
-  };
-#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_WEIGHT_ONLY)
-  if (rows == 1 && group_size % weight_only_avx2::kRun == 0) {
-    const std::vector<float> split_x = split_features<weight_only_avx2::kRun>(x_ptr, 1, in_features);
-    auto finish_row = [&](int64_t n, int64_t g, float dot_q) { return finish(0, n, g, dot_q); };
-    return row_tiles([&](int64_t n0, float* total) {
-      weight_only_avx2::int4_row_tile(split_x.data(), q, in_features, out_features, group_size, n0, total, finish_row);
-    });
-  }
-#endif
-  // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.
-  auto tiles = [&](auto split) {
-    constexpr bool kSplit = decltype(split)::value;
-    const std::vector<float> split_x = kSplit ? split_features<16>(x_ptr, rows, in_features) : std::vector<float>();
-    quantized_tiles(
-        kSplit ? split_x.data() : x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
-        [&](int64_t n, int64_t k, float* w) {
-          const uint8_t* row = row_of(n);
-          for (int64_t i = 0; i < kLanes; ++i) {
-            const int64_t f = kSplit ? split_feature<16>(k, i) : k + i;
-            w[i] = static_cast<float>((row[f / 2] >> (4 * (f % 2))) & 0x0F);
-          }
-        },
-#ifdef HAVE_AVX2_FMA
-        [&](int64_t n, int64_t k) {
-          if constexpr (kSplit)
-            return widen_int4_split(row_of(n) + (k & ~int64_t{15}) / 2, k);
-          else
-            return widen_int4(row_of(n) + k / 2);
-        },
-#else
-        nullptr,
-#endif
-        finish);
-  };
-#ifdef HAVE_AVX2_FMA
-  if (group_size % 16 == 0) return tiles(std::true_type{});
-#endif
-  tiles(std::false_type{});
+  int4_small_batch(x_ptr, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                   int4_layout::RowMajor{q, s, z, in_features / 2, num_groups});
 }

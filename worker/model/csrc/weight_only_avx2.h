@@ -9,6 +9,7 @@
 // Empty unless the compiler targets AVX2 and FMA.
 #pragma once
 
+#include "int4_weight_layouts.h"
 #include "vector_math.h"
 
 #include <algorithm>
@@ -21,16 +22,58 @@
 namespace weight_only_avx2 {
 
 constexpr int64_t kRun = 32;   // features a step: x is split per run (evens, then odds)
-constexpr int64_t kCols = 8;   // weight rows per tile
+constexpr int64_t kCols = int4_layout::kTileRows;  // weight rows per tile
+static_assert(kCols == 8, "a tile's sums, scales and zeros of a group are one register each");
 
-// One tile: `total[j]` += finish(n, g, x_g . q[n]_g) for each group g of weight rows n = n0 + j
-// (past the last row the tile repeats it, and the caller drops those outputs), `split_x` one row
-// of x in the nibble-split order over runs of 32 (the low nibbles of a run's 16 bytes are its
-// even features, the high ones its odd features), q [N, K/2].
-template <typename Finish>
-inline void int4_row_tile(const float* split_x, const uint8_t* q, int64_t in_features, int64_t out_features,
-                          int64_t group_size, int64_t n0, float total[kCols], Finish& finish) {
-  const int64_t row_bytes = in_features / 2;
+// Group g's scales and zeros of a tile's rows n[0..kCols), one register each: gathered from
+// row-major columns, loaded from a held tile's own line (n[0] starts the tile).
+inline __m256 tile_scales(const int4_layout::RowMajor& w, const int64_t n[kCols], int64_t g) {
+  return _mm256_setr_ps(w.scale(n[0], g), w.scale(n[1], g), w.scale(n[2], g), w.scale(n[3], g), w.scale(n[4], g),
+                        w.scale(n[5], g), w.scale(n[6], g), w.scale(n[7], g));
+}
+inline __m256 tile_zeros(const int4_layout::RowMajor& w, const int64_t n[kCols], int64_t g) {
+  return _mm256_setr_ps(w.zero(n[0], g), w.zero(n[1], g), w.zero(n[2], g), w.zero(n[3], g), w.zero(n[4], g),
+                        w.zero(n[5], g), w.zero(n[6], g), w.zero(n[7], g));
+}
+inline __m256 tile_scales(const int4_layout::HeldTiles& w, const int64_t n[kCols], int64_t g) {
+  return _mm256_loadu_ps(w.columns(n[0], g));
+}
+inline __m256 tile_zeros(const int4_layout::HeldTiles& w, const int64_t n[kCols], int64_t g) {
+  return _mm256_loadu_ps(w.columns(n[0], g) + kCols);
+}
+
+// The rows n = n0 + j of a tile (past the last row it repeats it, and the caller drops those
+// outputs) and where each one's bytes of group 0 start.
+struct TileRows {
+  int64_t n[kCols];
+  const uint8_t* bytes[kCols];
+};
+template <typename Weights>
+inline TileRows tile_rows(const Weights& w, int64_t out_features, int64_t n0) {
+  TileRows rows;
+  for (int64_t j = 0; j < kCols; ++j) {
+    rows.n[j] = std::min(n0 + j, out_features - 1);
+    rows.bytes[j] = w.bytes(rows.n[j], 0);
+  }
+  return rows;
+}
+
+// The end of a group of a tile: total += scales * (x_g . q_g of each row, `acc`'s lanes summed)
+// + zeros * sum(x_g), all kCols rows at once.
+template <typename Weights>
+inline __m256 finish_group(const Weights& w, const TileRows& rows, int64_t g, const __m256 acc[kCols], float x_sum,
+                           __m256 total) {
+  total = _mm256_fmadd_ps(tile_scales(w, rows.n, g), sums_of_eight(acc), total);
+  return _mm256_fmadd_ps(tile_zeros(w, rows.n, g), _mm256_set1_ps(x_sum), total);
+}
+
+// One tile: `total[j]` += the output of weight row n0 + j (`Weights`: int4_layout::RowMajor or
+// HeldTiles), `split_x` one row of x in the nibble-split order over runs of 32 (the low nibbles
+// of a run's 16 bytes are its even features, the high ones its odd features), `x_sums` its sum
+// per group.
+template <typename Weights>
+inline void int4_row_tile(const float* split_x, const float* x_sums, const Weights& w, int64_t in_features,
+                          int64_t out_features, int64_t group_size, int64_t n0, float total[kCols]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   // Bytes 0-3 of the 16 to the low lane's four 32-bit words, 4-7 to the high lane's (the 16 bytes
   // are in both lanes), and bytes 8-15 likewise: 8 nibbles a shuffle, each zero-extended.
@@ -38,19 +81,20 @@ inline void int4_row_tile(const float* split_x, const uint8_t* q, int64_t in_fea
                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i second = _mm256_add_epi8(first, _mm256_setr_epi8(8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0,
                                                                  8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0));
-  int64_t n[kCols];
-  for (int64_t j = 0; j < kCols; ++j) n[j] = std::min(n0 + j, out_features - 1);
+  const TileRows rows = tile_rows(w, out_features, n0);
+  const int64_t next_tile = w.next_tile_bytes();
+  __m256 sums = _mm256_loadu_ps(total);
   for (int64_t g = 0; g < in_features / group_size; ++g) {
     __m256 acc[kCols];
     for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm256_setzero_ps();
+    const int64_t group_start = g * w.group_bytes(group_size);
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kRun) {
       const float* x = split_x + k;
       for (int64_t j = 0; j < kCols; ++j) {
-        const uint8_t* bytes = q + n[j] * row_bytes + k / 2;
-        // The same bytes of the next tile's row: a tile's 8 rows lie end to end and the next
-        // tile's after them, so the steps of this tile fetch all of the next one, ahead of the
-        // hardware prefetchers, which 8 streams outrun.
-        _mm_prefetch(reinterpret_cast<const char*>(bytes) + kCols * row_bytes, _MM_HINT_T0);
+        const uint8_t* bytes = rows.bytes[j] + group_start + (k - g * group_size) / 2;
+        // The same bytes of the next tile's row: the steps of this tile fetch all of the next
+        // one, ahead of the hardware prefetchers, which a row-major tile's 8 streams outrun.
+        _mm_prefetch(reinterpret_cast<const char*>(bytes) + next_tile, _MM_HINT_T0);
         const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
         const __m256i low = _mm256_and_si256(both, nibble);
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
@@ -63,8 +107,9 @@ inline void int4_row_tile(const float* split_x, const uint8_t* q, int64_t in_fea
                                  acc[j]);
       }
     }
-    for (int64_t j = 0; j < kCols; ++j) total[j] += finish(n[j], g, horizontal_sum(acc[j]));
+    sums = finish_group(w, rows, g, acc, x_sums[g], sums);
   }
+  _mm256_storeu_ps(total, sums);
 }
 
 // A single row of x by INT4 weights through int8 dot products (maddubs: 32 unsigned bytes by 32
@@ -124,24 +169,20 @@ inline RowParts split_x_parts(const float* x, int64_t in_features, int64_t group
   return out;
 }
 
-// One tile: `total[j]` += finish(n, g, x_g . q[n]_g) for each group g (whole steps of 64) of weight
-// rows n = n0 + j, x as its parts, q [N, K/2] (past the last row the tile repeats it, and the
-// caller drops those outputs).
-template <typename Finish>
-inline void int4_parts_row_tile(const RowParts& x, const uint8_t* q, int64_t in_features, int64_t out_features,
-                                int64_t group_size, int64_t n0, float total[kCols], Finish& finish) {
-  const int64_t row_bytes = in_features / 2;
+// One tile: `total[j]` += the output of weight row n0 + j (`Weights`: int4_layout::RowMajor or
+// HeldTiles; groups whole steps of 64), x as its parts, whose sums the zero-point term takes.
+template <typename Weights>
+inline void int4_parts_row_tile(const RowParts& x, const Weights& w, int64_t in_features, int64_t out_features,
+                                int64_t group_size, int64_t n0, float total[kCols]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1), upper_weight = _mm256_set1_epi16(256);
-  int64_t n[kCols];
-  const uint8_t* rows[kCols];
-  for (int64_t j = 0; j < kCols; ++j) {
-    n[j] = std::min(n0 + j, out_features - 1);
-    rows[j] = q + n[j] * row_bytes;
-  }
+  const TileRows rows = tile_rows(w, out_features, n0);
+  const int64_t next_tile = w.next_tile_bytes();
+  __m256 sums = _mm256_loadu_ps(total);
   for (int64_t g = 0; g < in_features / group_size; ++g) {
     __m256 acc[kCols];
     for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm256_setzero_ps();
+    const int64_t group_start = g * w.group_bytes(group_size);
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kPartsRun) {
       const int8_t* parts = x.bytes.data() + 2 * k;
       const __m256i upper_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts));
@@ -150,9 +191,9 @@ inline void int4_parts_row_tile(const RowParts& x, const uint8_t* q, int64_t in_
       const __m256i lower_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 96));
       const __m256 units = _mm256_loadu_ps(x.units.data() + k / kLanes);
       for (int64_t j = 0; j < kCols; ++j) {
-        const uint8_t* bytes = rows[j] + k / 2;
-        // The next tile's rows lie after this tile's: its steps fetch all of the next one ahead.
-        _mm_prefetch(reinterpret_cast<const char*>(bytes) + kCols * row_bytes, _MM_HINT_T0);
+        const uint8_t* bytes = rows.bytes[j] + group_start + (k - g * group_size) / 2;
+        // The same bytes of the next tile's row: its steps fetch all of the next tile ahead.
+        _mm_prefetch(reinterpret_cast<const char*>(bytes) + next_tile, _MM_HINT_T0);
         const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
         const __m256i even = _mm256_and_si256(both, nibble);
         const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
@@ -165,8 +206,9 @@ inline void int4_parts_row_tile(const RowParts& x, const uint8_t* q, int64_t in_
         acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), units, acc[j]);
       }
     }
-    for (int64_t j = 0; j < kCols; ++j) total[j] += finish(n[j], g, horizontal_sum(acc[j]));
+    sums = finish_group(w, rows, g, acc, x.sums[g], sums);
   }
+  _mm256_storeu_ps(total, sums);
 }
 
 }  // namespace weight_only_avx2
