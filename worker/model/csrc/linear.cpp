@@ -101,7 +101,7 @@ inline void quantized_tile_avx2(const float* x_ptr, int64_t in_features, int64_t
       for (int64_t j = 0; j < kTileN; ++j) acc[i][j] = _mm256_setzero_ps();
     for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kLanes)
       for (int64_t j = 0; j < kTileN; ++j) {
-        const __m256 w = load_vector(n0 + j, k);
+        const __m256 w = load_vector(n0 + j, k, g);
         for (int64_t i = 0; i < kRows; ++i)
           acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x_ptr + (m0 + i) * in_features + k), w, acc[i][j]);
       }
@@ -382,7 +382,7 @@ void linear_small_batch_int8(at::Tensor x, at::Tensor qweight, at::Tensor scales
         for (int64_t l = 0; l < kLanes; ++l) w[l] = static_cast<float>(row[l]);
       },
 #ifdef HAVE_AVX2_FMA
-      [&](int64_t n, int64_t k) { return widen_int8(q + n * in_features + k); },
+      [&](int64_t n, int64_t k, int64_t) { return widen_int8(q + n * in_features + k); },
 #else
       nullptr,
 #endif
@@ -602,7 +602,7 @@ void int4_small_batch(const float* x_ptr, int64_t rows, int64_t in_features, int
   if (rows > (fills_by_bytes(in_features) ? int4_byte_fill_from_rows(group_size) : kInt4WidenFromRows))
     return quantized_through_panels(x_ptr, rows, in_features, out_features, out_ptr, 0,
                                     fill_by_transposes(in_features, group_size, [=](int64_t n, int64_t k, int64_t g) {
-                                      return _mm256_fmadd_ps(widen_int4(w.bytes(n, k)),
+                                      return _mm256_fmadd_ps(widen_int4(w.bytes(n, k, g)),
                                                              _mm256_set1_ps(w.scale(n, g)),
                                                              _mm256_set1_ps(w.zero(n, g)));
                                     }));
@@ -655,11 +655,11 @@ void int4_small_batch(const float* x_ptr, int64_t rows, int64_t in_features, int
           }
         },
 #ifdef HAVE_AVX2_FMA
-        [&](int64_t n, int64_t k) {
+        [&](int64_t n, int64_t k, int64_t g) {
           if constexpr (kSplit)
-            return widen_int4_split(w.bytes(n, k & ~int64_t{15}), k);
+            return widen_int4_split(w.bytes(n, k & ~int64_t{15}, g), k);
           else
-            return widen_int4(w.bytes(n, k));
+            return widen_int4(w.bytes(n, k, g));
         },
 #else
         nullptr,
