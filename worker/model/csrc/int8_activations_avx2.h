@@ -23,6 +23,16 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
+// sums[j] = the sum of acc[j]'s lanes for j < C: every tile reduces its C (<= kCols) accumulators
+// together, in one order, so that one row's sums are the same in a tile of any row count.
+template <int64_t C>
+inline void sum_columns(const __m256 acc[C], float sums[kCols]) {
+  static_assert(kCols == 4 && C <= kCols, "four accumulators a reduction");
+  __m256 v[kCols];
+  for (int64_t j = 0; j < kCols; ++j) v[j] = j < C ? acc[j] : _mm256_setzero_ps();
+  _mm_storeu_ps(sums, sums_of_four(v[0], v[1], v[2], v[3]));
+}
+
 // One tile of R rows of x by C weight rows (column tile `tile`); per group, a float accumulator
 // per (row, weight row).
 template <int64_t R, int64_t C, bool kInt8, typename Finish>
@@ -56,9 +66,11 @@ inline void tile_avx2(const QuantizedActivations& a, const WeightPanels& panels,
         }
       }
     }
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t j = 0; j < C; ++j)
-        total[i][j] += finish(m0 + i, tile * kCols + j, g, horizontal_sum(acc[i][j]));
+    for (int64_t i = 0; i < R; ++i) {
+      float sums[kCols];
+      sum_columns<C>(acc[i], sums);
+      for (int64_t j = 0; j < C; ++j) total[i][j] += finish(m0 + i, tile * kCols + j, g, sums[j]);
+    }
   }
 }
 
@@ -98,7 +110,9 @@ inline void int4_unit_row_avx2(const QuantizedActivations& a, const WeightPanels
                                  s3, acc[j]);
       }
     }
-    for (int64_t j = 0; j < C; ++j) total[0][j] += finish(m0, tile * kCols + j, g, horizontal_sum(acc[j]));
+    float sums[kCols];
+    sum_columns<C>(acc, sums);
+    for (int64_t j = 0; j < C; ++j) total[0][j] += finish(m0, tile * kCols + j, g, sums[j]);
   }
 }
 

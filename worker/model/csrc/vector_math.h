@@ -125,6 +125,12 @@ inline __m256 sums_of_eight(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
 }
 
+// Lane i of the result = the sum of all lanes of v[i], for four vectors (sums_of_eight's order).
+inline __m128 sums_of_four(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 quarters = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  return _mm_add_ps(_mm256_castps256_ps128(quarters), _mm256_extractf128_ps(quarters, 1));
+}
+
 // e^x, lane by lane, to about 2 ulp (x clamped to [-87, 88], so the result is finite and normal):
 // e^x = 2^n * e^r with n = round(x / ln 2) and |r| <= ln2 / 2, e^r by a degree-7 polynomial
 // (the Taylor coefficients, slightly adjusted to minimise the error over that range).
