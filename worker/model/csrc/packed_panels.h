@@ -42,9 +42,10 @@ constexpr int kPanelPair = 1;
 #endif
 constexpr int64_t kFloatPairsFromRows = 12;  // float32 calls of fewer rows take one panel a tile
 constexpr int64_t kPrefetchMaxRows = 64;
-// A single row of float32 panels on AVX2 builds streams faster on the hardware prefetchers alone
-// (one forward stream a thread, and little arithmetic to hide a prefetch's load slot behind):
-// docs/benchmarks.md has the measurement. From 2 rows, and on AVX-512 builds, the prefetch pays.
+// A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
+// prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind):
+// docs/benchmarks.md has the measurement. From 2 rows, for int8 panels (no faster without it),
+// and on AVX-512 builds, the prefetch stays.
 #ifdef HAVE_AVX512_PANELS
 constexpr bool kPrefetchOneFloatRow = true;
 #else
@@ -347,7 +348,7 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
                    int64_t out_features, int64_t num_panels, const float* column_scales = nullptr) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
-  const bool prefetch = rows <= kPrefetchMaxRows && (kPrefetchOneFloatRow || rows > 1 || !std::is_same_v<W, float>);
+  const bool prefetch = rows <= kPrefetchMaxRows && (kPrefetchOneFloatRow || rows > 1 || std::is_same_v<W, int8_t>);
   // A bfloat16 or int8 panel that several row tiles pass over is widened once into a float32
   // copy that stays in L2, rather than once per row tile in registers: the widening, not the
   // FMAs, bounds a tile on AVX2. The float32 copy holds the same values, so the result is the same.
