@@ -38,6 +38,7 @@ inline void sum_columns(const __m256 acc[C], float sums[kCols]) {
 template <int64_t R, int64_t C, bool kInt8, typename Finish>
 inline void tile_avx2(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
                       int64_t group_size, int64_t m0, int64_t tile, float total[kRows][kCols], Finish& finish) {
+  const int64_t next_tile_bytes = panels.units_per_row * kCols * 64;
   for (int64_t g = 0; g < in_features / group_size; ++g) {
     __m256 acc[R][C];
     for (int64_t i = 0; i < R; ++i)
@@ -46,6 +47,9 @@ inline void tile_avx2(const QuantizedActivations& a, const WeightPanels& panels,
       const int64_t k = g * group_size + local * kBlock, b = k / kBlock;
       for (int64_t j = 0; j < C; ++j) {
         const BlockBytes block = block_bytes(panels, kInt8, tile, j, g, local);
+        // The same bytes of the next tile, as int4_unit_row_avx2 asks for them, on the first
+        // pass over this tile only (later passes of more rows find the next tile fetched).
+        if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(block.bytes + next_tile_bytes), _MM_HINT_T0);
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.bytes));
         __m256i w;
         if constexpr (kInt8)
@@ -89,6 +93,7 @@ inline void int4_unit_row_avx2(const QuantizedActivations& a, const WeightPanels
   const int8_t* xq = a.q.data() + m0 * in_features;
   const float* xs = a.scales.data() + m0 * a.blocks_per_row;
   const uint8_t* unit = panels.unit(tile, 0, 0);
+  const int64_t next_tile_bytes = panels.units_per_row * kCols * 64;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   auto block_dot = [](__m256i w, const int8_t* x) {
     return _mm256_cvtepi32_ps(dot_u8s8(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
@@ -100,6 +105,9 @@ inline void int4_unit_row_avx2(const QuantizedActivations& a, const WeightPanels
       const __m256 s0 = _mm256_set1_ps(xs[0]), s1 = _mm256_set1_ps(xs[1]);
       const __m256 s2 = _mm256_set1_ps(xs[2]), s3 = _mm256_set1_ps(xs[3]);
       for (int64_t j = 0; j < C; ++j) {
+        // The same line of the next tile (tiles lie end to end): its rows arrive as this tile's
+        // steps go, ahead of the hardware prefetchers.
+        _mm_prefetch(reinterpret_cast<const char*>(unit + j * 64 + next_tile_bytes), _MM_HINT_T0);
         const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + j * 64));
         const __m256i second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + j * 64 + kBlock));
         acc[j] = _mm256_fmadd_ps(block_dot(_mm256_and_si256(first, nibble), xq), s0, acc[j]);
