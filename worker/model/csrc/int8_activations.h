@@ -50,6 +50,7 @@ struct WeightPanels {
   const uint8_t* unit(int64_t column_tile, int64_t u, int64_t j) const {
     return data + ((column_tile * units_per_row + u) * kCols + j) * 64;
   }
+  int64_t tile_bytes() const { return units_per_row * kCols * 64; }  // from a tile's byte to the next tile's
   const uint8_t* panel_unit(int64_t panel, int64_t u) const {
     return data + (panel * units_per_row + u) * kPanelUnitBytes;
   }

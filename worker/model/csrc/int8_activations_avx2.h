@@ -38,7 +38,7 @@ inline void sum_columns(const __m256 acc[C], float sums[kCols]) {
 template <int64_t R, int64_t C, bool kInt8, typename Finish>
 inline void tile_avx2(const QuantizedActivations& a, const WeightPanels& panels, int64_t in_features,
                       int64_t group_size, int64_t m0, int64_t tile, float total[kRows][kCols], Finish& finish) {
-  const int64_t next_tile_bytes = panels.units_per_row * kCols * 64;
+  const int64_t next_tile_bytes = panels.tile_bytes();
   for (int64_t g = 0; g < in_features / group_size; ++g) {
     __m256 acc[R][C];
     for (int64_t i = 0; i < R; ++i)
@@ -93,7 +93,7 @@ inline void int4_unit_row_avx2(const QuantizedActivations& a, const WeightPanels
   const int8_t* xq = a.q.data() + m0 * in_features;
   const float* xs = a.scales.data() + m0 * a.blocks_per_row;
   const uint8_t* unit = panels.unit(tile, 0, 0);
-  const int64_t next_tile_bytes = panels.units_per_row * kCols * 64;
+  const int64_t next_tile_bytes = panels.tile_bytes();
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   auto block_dot = [](__m256i w, const int8_t* x) {
     return _mm256_cvtepi32_ps(dot_u8s8(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));

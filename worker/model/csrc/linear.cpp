@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -633,14 +632,8 @@ void int4_small_batch(const float* x_ptr, int64_t rows, int64_t in_features, int
     });
   }
 #endif
-  // One explicit fma where the layouts are both read (AVX2 builds), so that the compiler's
-  // contraction cannot round them differently; the portable build has no fma instruction.
   auto finish = [&](int64_t m, int64_t n, int64_t g, float dot_q) {
-#ifdef HAVE_AVX2_FMA
-    return std::fma(w.scale(n, g), dot_q, w.zero(n, g) * x_sums[m * num_groups + g]);
-#else
-    return w.scale(n, g) * dot_q + w.zero(n, g) * x_sums[m * num_groups + g];
-#endif
+    return group_output(w.scale(n, g), dot_q, w.zero(n, g), x_sums[m * num_groups + g]);
   };
   // kSplit: the weights and x in the nibble-split order, where groups are whole runs of 16.
   auto tiles = [&](auto split) {

@@ -26,7 +26,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -291,14 +290,9 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
   TORCH_CHECK(scales.dim() == 2, "scales: [N, K / group_size]");
   const float* s = scales.data_ptr<float>();
   const float* z = zeros.data_ptr<float>();
-  // One explicit fma on AVX2 builds, so that the compiler's contraction cannot round a tile of
-  // one row and one of several differently; the portable build has no fma instruction.
-  auto finish = [&](int64_t m, int64_t n, int64_t g, float dot) {
-#ifdef HAVE_AVX2_FMA
-    return std::fma(s[n * num_groups + g], dot, z[n * num_groups + g] * x_sums[m * num_groups + g]);
-#else
-    return s[n * num_groups + g] * dot + z[n * num_groups + g] * x_sums[m * num_groups + g];
-#endif
-  };
-  int8_activation_tiles<false>(a, weights, rows, in_features, out_features, group_size, out.data_ptr<float>(), finish);
+  int8_activation_tiles<false>(a, weights, rows, in_features, out_features, group_size, out.data_ptr<float>(),
+                               [&](int64_t m, int64_t n, int64_t g, float dot) {
+                                 return group_output(s[n * num_groups + g], dot, z[n * num_groups + g],
+                                                     x_sums[m * num_groups + g]);
+                               });
 }

@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -22,6 +23,18 @@ constexpr int64_t kLanes = 8;  // one AVX2 register of float32
 // threads costs microseconds, and every parallel region is a point where all of them wait for
 // the slowest (one descheduled by a neighbour process stalls the step).
 constexpr int64_t kMinParallelWork = 32768;
+
+// The output of one group of an INT4 row, scale * dot + zero * x_sum, as one explicit fma where
+// the build has the instruction: a tile's finish is inlined into each tile shape (one row or
+// several, row-major or held weights), and left to itself the compiler contracts the sum into
+// an fma in some of them and not others, so the same row would round differently.
+inline float group_output(float scale, float dot, float zero, float x_sum) {
+#ifdef HAVE_AVX2_FMA
+  return std::fma(scale, dot, zero * x_sum);
+#else
+  return scale * dot + zero * x_sum;
+#endif
+}
 
 // at::parallel_for's grain (iterations per chunk) for iterations of `work_per_item` operations.
 inline int64_t grain_for(int64_t work_per_item) {

@@ -67,6 +67,34 @@ inline __m256 finish_group(const Weights& w, const TileRows& rows, int64_t g, co
   return _mm256_fmadd_ps(tile_zeros(w, rows.n, g), _mm256_set1_ps(x_sum), total);
 }
 
+// The frame both one-row tiles share: per group, kCols accumulators that `step(k, bytes, acc)`
+// adds each step of kStep features to, given where each row's bytes of feature k lie (the same
+// bytes of the next tile's rows are fetched as the steps go, ahead of the hardware prefetchers,
+// which a row-major tile's 8 streams outrun); each group then finished into `total` with its
+// scales, zeros and x's sum (`x_sums`).
+template <int64_t kStep, typename Weights, typename Step>
+inline void row_tile_groups(const Weights& w, const float* x_sums, int64_t in_features, int64_t out_features,
+                            int64_t group_size, int64_t n0, float total[kCols], Step&& step) {
+  const TileRows rows = tile_rows(w, out_features, n0);
+  const int64_t next_tile = w.next_tile_bytes();
+  __m256 sums = _mm256_loadu_ps(total);
+  for (int64_t g = 0; g < in_features / group_size; ++g) {
+    __m256 acc[kCols];
+    for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm256_setzero_ps();
+    const int64_t group_start = g * w.group_bytes(group_size);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kStep) {
+      const uint8_t* bytes[kCols];
+      for (int64_t j = 0; j < kCols; ++j) {
+        bytes[j] = rows.bytes[j] + group_start + (k - g * group_size) / 2;
+        _mm_prefetch(reinterpret_cast<const char*>(bytes[j]) + next_tile, _MM_HINT_T0);
+      }
+      step(k, bytes, acc);
+    }
+    sums = finish_group(w, rows, g, acc, x_sums[g], sums);
+  }
+  _mm256_storeu_ps(total, sums);
+}
+
 // One tile: `total[j]` += the output of weight row n0 + j (`Weights`: int4_layout::RowMajor or
 // HeldTiles), `split_x` one row of x in the nibble-split order over runs of 32 (the low nibbles
 // of a run's 16 bytes are its even features, the high ones its odd features), `x_sums` its sum
@@ -81,35 +109,20 @@ inline void int4_row_tile(const float* split_x, const float* x_sums, const Weigh
                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i second = _mm256_add_epi8(first, _mm256_setr_epi8(8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0,
                                                                  8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0, 8, 0, 0, 0));
-  const TileRows rows = tile_rows(w, out_features, n0);
-  const int64_t next_tile = w.next_tile_bytes();
-  __m256 sums = _mm256_loadu_ps(total);
-  for (int64_t g = 0; g < in_features / group_size; ++g) {
-    __m256 acc[kCols];
-    for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm256_setzero_ps();
-    const int64_t group_start = g * w.group_bytes(group_size);
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kRun) {
-      const float* x = split_x + k;
-      for (int64_t j = 0; j < kCols; ++j) {
-        const uint8_t* bytes = rows.bytes[j] + group_start + (k - g * group_size) / 2;
-        // The same bytes of the next tile's row: the steps of this tile fetch all of the next
-        // one, ahead of the hardware prefetchers, which a row-major tile's 8 streams outrun.
-        _mm_prefetch(reinterpret_cast<const char*>(bytes) + next_tile, _MM_HINT_T0);
-        const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-        const __m256i low = _mm256_and_si256(both, nibble);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(low, first)), acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(low, second)),
-                                 acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, first)),
-                                 acc[j]);
-        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, second)),
-                                 acc[j]);
-      }
+  row_tile_groups<kRun>(w, x_sums, in_features, out_features, group_size, n0, total,
+                        [&](int64_t k, const uint8_t* const bytes[kCols], __m256 acc[kCols]) {
+    const float* x = split_x + k;
+    for (int64_t j = 0; j < kCols; ++j) {
+      const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes[j])));
+      const __m256i low = _mm256_and_si256(both, nibble);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(low, first)), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(low, second)), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, first)), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), _mm256_cvtepi32_ps(_mm256_shuffle_epi8(high, second)),
+                               acc[j]);
     }
-    sums = finish_group(w, rows, g, acc, x_sums[g], sums);
-  }
-  _mm256_storeu_ps(total, sums);
+  });
 }
 
 // A single row of x by INT4 weights through int8 dot products (maddubs: 32 unsigned bytes by 32
@@ -176,39 +189,27 @@ inline void int4_parts_row_tile(const RowParts& x, const Weights& w, int64_t in_
                                 int64_t group_size, int64_t n0, float total[kCols]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1), upper_weight = _mm256_set1_epi16(256);
-  const TileRows rows = tile_rows(w, out_features, n0);
-  const int64_t next_tile = w.next_tile_bytes();
-  __m256 sums = _mm256_loadu_ps(total);
-  for (int64_t g = 0; g < in_features / group_size; ++g) {
-    __m256 acc[kCols];
-    for (int64_t j = 0; j < kCols; ++j) acc[j] = _mm256_setzero_ps();
-    const int64_t group_start = g * w.group_bytes(group_size);
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kPartsRun) {
-      const int8_t* parts = x.bytes.data() + 2 * k;
-      const __m256i upper_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts));
-      const __m256i upper_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 32));
-      const __m256i lower_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 64));
-      const __m256i lower_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 96));
-      const __m256 units = _mm256_loadu_ps(x.units.data() + k / kLanes);
-      for (int64_t j = 0; j < kCols; ++j) {
-        const uint8_t* bytes = rows.bytes[j] + group_start + (k - g * group_size) / 2;
-        // The same bytes of the next tile's row: its steps fetch all of the next tile ahead.
-        _mm_prefetch(reinterpret_cast<const char*>(bytes) + next_tile, _MM_HINT_T0);
-        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-        const __m256i even = _mm256_and_si256(both, nibble);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
-        // int16 sums of four products each: at most 4 * 15 * 128, no saturation.
-        const __m256i upper = _mm256_add_epi16(_mm256_maddubs_epi16(even, upper_even),
-                                               _mm256_maddubs_epi16(odd, upper_odd));
-        const __m256i lower = _mm256_add_epi16(_mm256_maddubs_epi16(even, lower_even),
-                                               _mm256_maddubs_epi16(odd, lower_odd));
-        const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(upper, upper_weight), _mm256_madd_epi16(lower, ones));
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), units, acc[j]);
-      }
+  row_tile_groups<kPartsRun>(w, x.sums.data(), in_features, out_features, group_size, n0, total,
+                             [&](int64_t k, const uint8_t* const bytes[kCols], __m256 acc[kCols]) {
+    const int8_t* parts = x.bytes.data() + 2 * k;
+    const __m256i upper_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts));
+    const __m256i upper_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 32));
+    const __m256i lower_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 64));
+    const __m256i lower_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(parts + 96));
+    const __m256 units = _mm256_loadu_ps(x.units.data() + k / kLanes);
+    for (int64_t j = 0; j < kCols; ++j) {
+      const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes[j]));
+      const __m256i even = _mm256_and_si256(both, nibble);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+      // int16 sums of four products each: at most 4 * 15 * 128, no saturation.
+      const __m256i upper = _mm256_add_epi16(_mm256_maddubs_epi16(even, upper_even),
+                                             _mm256_maddubs_epi16(odd, upper_odd));
+      const __m256i lower = _mm256_add_epi16(_mm256_maddubs_epi16(even, lower_even),
+                                             _mm256_maddubs_epi16(odd, lower_odd));
+      const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(upper, upper_weight), _mm256_madd_epi16(lower, ones));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), units, acc[j]);
     }
-    sums = finish_group(w, rows, g, acc, x.sums[g], sums);
-  }
-  _mm256_storeu_ps(total, sums);
+  });
 }
 
 }  // namespace weight_only_avx2
