@@ -233,6 +233,26 @@ def test_argmax_kernel_matches_torch_including_ties(vocab):
     assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
+def test_finite_choices_keeps_each_rows_token_unless_its_logit_is_not_finite():
+    """The sampler's one-call check: equal to the torch ops it replaces (gather, isfinite, masked fill),
+    on strided rows and tokens; a token outside the vocabulary is refused, not read."""
+    from worker.sampler import non_finite_to_zero
+
+    kernels = cpu_kernels.load()
+    wide = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    logits = wide[:, :33]  # rows 40 floats apart
+    logits[1, 4] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3, 6] = float("-inf")
+    logits[4, 7] = float("nan")  # not the row's token: the row keeps it
+    tokens = torch.tensor([[9, 0], [4, 0], [5, 0], [6, 0], [8, 0], [32, 0]])[:, 0]  # a strided column
+    got = kernels.finite_choices(logits, tokens)
+    assert got == [9, 0, 0, 0, 8, 32]
+    assert got == non_finite_to_zero(logits.clone(), tokens.clone()).tolist()
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.finite_choices(logits, torch.tensor([0, 0, 0, 0, 0, 33]))
+
+
 def test_linear_module_repacks_when_its_data_is_swapped():
     torch.manual_seed(1)
     layer = Linear(16, 24, bias=False)

@@ -126,6 +126,7 @@ class Sampler:
         # costs far more per vocabulary-sized row (docs/benchmarks.md). Chosen once, here.
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
         self._argmax_rows = kernels.argmax_rows if kernels is not None else None
+        self._finite_choices = kernels.finite_choices if kernels is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Next token of each row. Processing order, per row and only where the row asks: logit bias,
@@ -221,9 +222,16 @@ class Sampler:
                         tops[i] = top_logprobs(raw_logprobs[j], params[i].top_logprobs)
         # Whichever path drew it, a token whose raw logit is not finite (a NaN row; one inf that argmax
         # takes) becomes 0, so only a step where some row took 0 looks at its whole logits again.
-        token_ids = non_finite_to_zero(logits, tokens).tolist()
+        token_ids = self._finite_token_ids(logits, tokens)
         non_finite = self._non_finite_rows(logits, token_ids) if 0 in token_ids else None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops, non_finite_rows=non_finite)
+
+    def _finite_token_ids(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
+        """tokens [R] as a list, 0 where the row's raw logit at its token is not finite: one kernel call on
+        CPU float32 logits (what a decode step's fixed cost would otherwise spend on a handful of torch ops)."""
+        if self._finite_choices is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            return self._finite_choices(logits, tokens)
+        return non_finite_to_zero(logits, tokens).tolist()
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor, token_ids: list[int]) -> list[int] | None:

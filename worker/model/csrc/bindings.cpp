@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_write_kv", &rotary_and_write_kv,
         "rotary embedding on q and k in place in qkv, K/V written to their slots (CPU, float32)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (CPU, float32)");
+  m.def("finite_choices", &finite_choices,
+        "each row's token id as a list, 0 where its logit is not finite (CPU, float32 logits)");
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");

@@ -62,6 +62,7 @@ void linear_int4_weights_int8_activations(at::Tensor x, at::Tensor panels, at::T
 
 // pointwise.cpp
 at::Tensor argmax_rows(at::Tensor logits);
+std::vector<int64_t> finite_choices(at::Tensor logits, at::Tensor tokens);
 void rms_norm(at::Tensor x, at::Tensor weight, double eps, at::Tensor out);
 void add_rms_norm(at::Tensor x, at::Tensor delta, at::Tensor weight, double eps, at::Tensor out);
 void silu_and_mul(at::Tensor gate_up, at::Tensor out);

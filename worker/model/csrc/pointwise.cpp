@@ -7,6 +7,29 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
+
+// Each row's chosen token id as a list, 0 where the row's logit at its token is not finite (NaN
+// or inf: the token means nothing). One call where torch takes a gather, a finiteness test of
+// several ops and a masked fill, every step, before the list the step's bookkeeping reads.
+std::vector<int64_t> finite_choices(at::Tensor logits, at::Tensor tokens) {
+  TORCH_CHECK(logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "finite_choices: float32 [R, V] logits with contiguous rows");
+  TORCH_CHECK(tokens.dtype() == at::kLong && tokens.dim() == 1 && tokens.size(0) == logits.size(0),
+              "finite_choices: int64 tokens [R], one per row of logits");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), row_stride = logits.stride(0),
+                token_stride = tokens.stride(0);
+  const float* values = logits.data_ptr<float>();
+  const int64_t* chosen = tokens.data_ptr<int64_t>();
+  std::vector<int64_t> out(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = chosen[r * token_stride];
+    TORCH_CHECK(token >= 0 && token < vocab, "finite_choices: token ", token, " of row ", r, " outside [0, ", vocab,
+                ")");
+    out[r] = std::isfinite(values[r * row_stride + token]) ? token : 0;
+  }
+  return out;
+}
 
 // Greedy sampling's argmax over each row of logits [B, V]: the first index of the largest
 // value (NaN never wins), 8 lanes at a time, rows split over threads. torch's CPU argmax is
