@@ -40,7 +40,9 @@ constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feed
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int kPanelPair = 1;
 #endif
-constexpr int64_t kFloatPairsFromRows = 12;  // float32 calls of fewer rows take one panel a tile
+// Float32 calls of fewer rows take one panel a tile (AVX-512), or (AVX2) one panel for 2-11 rows
+// and four for one row.
+constexpr int64_t kFloatPairsFromRows = 12;
 constexpr int64_t kPrefetchMaxRows = 64;
 // A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
 // prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind):
@@ -278,10 +280,11 @@ struct PanelRun {
   int64_t count, last_width;
 };
 
-// Int8 calls (and bfloat16 ones on AVX2) of up to kQuadMaxRows rows take four panels a tile: a
-// row's tile has one FMA chain per panel (AVX-512; two on AVX2), and with the weight's bytes
-// coming two or four times as fast as float32's, the latency of so few chains bounds the tile
-// once the weight is in cache or memory is fast.
+// Int8 calls (and bfloat16 and float32 ones on AVX2) of up to kQuadMaxRows rows take four panels
+// a tile: a row's tile has one FMA chain per panel (AVX-512; two on AVX2), and the latency of so
+// few chains bounds the tile once the weight is in cache or memory is fast (on AVX2 even a float32
+// stream from memory: docs/benchmarks.md). Each output lane still sums its products in k order,
+// so the result is the one-panel tile's.
 constexpr int64_t kPanelQuad = 4;
 #ifdef HAVE_AVX512_PANELS
 constexpr int kQuadMaxRows = 2;
@@ -294,7 +297,7 @@ constexpr int kQuadMaxRows = 0;
 template <typename W>
 constexpr bool kQuadFor = std::is_same_v<W, int8_t>
 #ifndef HAVE_AVX512_PANELS
-                          || std::is_same_v<W, at::BFloat16>
+                          || std::is_same_v<W, at::BFloat16> || std::is_same_v<W, float>
 #endif
     ;
 
@@ -354,8 +357,10 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   // FMAs, bounds a tile on AVX2. The float32 copy holds the same values, so the result is the same.
   constexpr bool kWidenable = !std::is_same_v<W, float>;
   const bool widen = kWidenable && rows > kWidenFromRows;
-  // Float32 panels of a call of few rows stream from memory, where one panel at a time does better.
-  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows);
+  // Float32 panels of a call of few rows stream from memory, where one panel at a time does better
+  // on AVX-512; a single row on AVX2, whose one-panel tile has only two FMA chains, takes four.
+  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows ||
+                                (kQuadFor<W> && rows <= kQuadMaxRows));
   const int64_t wanted = !pairs ? 1 : kQuadFor<W> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
