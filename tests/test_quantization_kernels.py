@@ -71,7 +71,7 @@ def test_int8_weight_panels_match_the_dequantized_product_at_every_row_count(in_
     of two interleaved by input feature) runs the float32 panel tiles over them at every row
     count: within float32 precision of the dequantized product for every count of leftover rows
     (1-12 rows a tile; four panels a tile at 1-2 rows on AVX-512 and at 1 row on AVX2, else two on
-    AVX-512 and one on AVX2) and a ragged last
+    AVX-512, two at 2-3 rows on AVX2 and one beyond) and a ragged last
     panel (2 outputs wide) alone in its tile and in a group padded with a zero panel (98
     outputs: 7 panels) or the last of a tile of four or two (114: 8 panels); the same bit for
     bit as the plain [P, K, 16] panels; and since each output lane sums its products in one order

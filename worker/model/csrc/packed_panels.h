@@ -294,6 +294,15 @@ constexpr int kQuadMaxRows = 1;
 constexpr int kQuadMaxRows = 0;
 #endif
 
+// AVX2 calls of 2-3 rows take two panels a tile, for the same reason: 8-12 FMA chains where one
+// panel's 4-6 bound the stream (3 rows x 2 panels x 2 accumulators: 12 of the 16 registers).
+// AVX-512 builds pair panels at every row count already.
+#if defined(HAVE_AVX2_FMA) && !defined(HAVE_AVX512_PANELS)
+constexpr int kSmallPairMaxRows = 3;
+#else
+constexpr int kSmallPairMaxRows = 0;
+#endif
+
 template <typename W>
 constexpr bool kQuadFor = std::is_same_v<W, int8_t>
 #ifndef HAVE_AVX512_PANELS
@@ -305,7 +314,7 @@ inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t 
   int64_t count = 1;
   if (wanted >= 4 && kQuadMaxRows > 0 && p + 3 < end)
     count = 4;
-  else if (wanted >= 2 && kPanelPair == 2 && p + 1 < end)
+  else if (wanted >= 2 && (kPanelPair == 2 || kSmallPairMaxRows > 0) && p + 1 < end)
     count = 2;
   return {count, std::min(kPanel, out_features - (p + count - 1) * kPanel)};
 }
@@ -321,6 +330,15 @@ inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows,
                                                                    run.last_width, rows, next, 0, 1);
     return panel_rows<kQuadMaxRows, false, kPanelQuad, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
                                                                   run.last_width, rows, nullptr, 0, 1);
+  }
+#endif
+#if !defined(HAVE_AVX512_PANELS) && defined(HAVE_AVX2_FMA)
+  if (run.count == 2) {  // rows <= kSmallPairMaxRows: one tile
+    if (prefetch)
+      return panel_rows<kSmallPairMaxRows, true, 2, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
+                                                               run.last_width, rows, next, 0, 1);
+    return panel_rows<kSmallPairMaxRows, false, 2, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
+                                                              run.last_width, rows, nullptr, 0, 1);
   }
 #endif
   if (run.count == 2)
@@ -359,9 +377,12 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   const bool widen = kWidenable && rows > kWidenFromRows;
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better
   // on AVX-512; a single row on AVX2, whose one-panel tile has only two FMA chains, takes four.
-  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows ||
-                                (kQuadFor<W> && rows <= kQuadMaxRows));
-  const int64_t wanted = !pairs ? 1 : kQuadFor<W> && rows <= kQuadMaxRows ? kPanelQuad : kPanelPair;
+  const bool small = rows <= kSmallPairMaxRows || (kQuadFor<W> && rows <= kQuadMaxRows);
+  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || small);
+  const int64_t wanted = !pairs                                 ? 1
+                         : kQuadFor<W> && rows <= kQuadMaxRows ? kPanelQuad
+                         : rows <= kSmallPairMaxRows           ? 2
+                                                               : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
