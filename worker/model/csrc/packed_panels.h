@@ -45,13 +45,15 @@ constexpr int kPanelPair = 1;
 constexpr int64_t kFloatPairsFromRows = 12;
 constexpr int64_t kPrefetchMaxRows = 64;
 // A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
-// prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind):
-// docs/benchmarks.md has the measurement. From 2 rows, for int8 panels (no faster without it),
-// and on AVX-512 builds, the prefetch stays.
+// prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind), and so do
+// 2-3 rows of float32 panels (much faster where the weight is in L2 or L3, the same from memory):
+// docs/benchmarks.md has the measurement. Beyond those rows (2-3 rows of bfloat16 panels
+// streamed from memory lose 15% without it), for int8 panels (no faster without it), and on
+// AVX-512 builds, the prefetch stays.
 #ifdef HAVE_AVX512_PANELS
-constexpr bool kPrefetchOneFloatRow = true;
+constexpr bool kPrefetchFewFloatRows = true;
 #else
-constexpr bool kPrefetchOneFloatRow = false;
+constexpr bool kPrefetchFewFloatRows = false;
 #endif
 // bf16 panels are widened once into float32 above this many rows: on AVX2 widening in registers,
 // per 6-row tile, bounds the tile; a 12-row AVX-512 tile widens 16 weights in 2 instructions for
@@ -369,7 +371,9 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
                    int64_t out_features, int64_t num_panels, const float* column_scales = nullptr) {
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
-  const bool prefetch = rows <= kPrefetchMaxRows && (kPrefetchOneFloatRow || rows > 1 || std::is_same_v<W, int8_t>);
+  const int64_t unfetched_rows = std::is_same_v<W, float> ? kSmallPairMaxRows : 1;
+  const bool prefetch =
+      rows <= kPrefetchMaxRows && (kPrefetchFewFloatRows || rows > unfetched_rows || std::is_same_v<W, int8_t>);
   // A bfloat16 or int8 panel that several row tiles pass over is widened once into a float32
   // copy that stays in L2, rather than once per row tile in registers: the widening, not the
   // FMAs, bounds a tile on AVX2. The float32 copy holds the same values, so the result is the same.
