@@ -254,6 +254,19 @@ def test_a_row_of_x_gets_the_same_bits_alone_as_in_any_batch(dtype):
             assert torch.equal(batched, alone[:rows]), (out_features, rows)
 
 
+def test_a_call_of_no_rows_writes_nothing_and_returns():
+    """An empty batch through every panel route (float32, bfloat16, INT8 held as panels): no tile to
+    split the rows into, so nothing runs (it once divided by the zero tiles)."""
+    kernels = cpu_kernels.load()
+    weight = torch.randn(40, 16)
+    for panels in (pack_panels(weight), pack_panels(weight.to(torch.bfloat16))):
+        out = torch.empty(0, 40)
+        kernels.linear_packed(torch.empty(0, 16), panels, out)
+        assert out.shape == (0, 40)
+    qweight = torch.randint(-127, 128, (40, 16), dtype=torch.int8)
+    kernels.linear_small_batch_int8(torch.empty(0, 16), pack_panels(qweight), torch.rand(40), torch.empty(0, 40))
+
+
 def test_finite_choices_keeps_each_rows_token_unless_its_logit_is_not_finite():
     """The sampler's one-call check: equal to the torch ops it replaces (gather, isfinite, masked fill),
     on strided rows and tokens; a token outside the vocabulary is refused, not read."""

@@ -40,8 +40,8 @@ constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feed
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int kPanelPair = 1;
 #endif
-// Float32 calls of fewer rows take one panel a tile (AVX-512), or (AVX2) one panel for 2-11 rows
-// and four for one row.
+// Float32 calls of fewer rows take one panel a tile (AVX-512), or (AVX2) four for one row, two
+// for 2-3 rows and one for 4-11.
 constexpr int64_t kFloatPairsFromRows = 12;
 constexpr int64_t kPrefetchMaxRows = 64;
 // A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
@@ -216,7 +216,8 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
 #endif
 }
 
-// kPanels: 1, or kPanelPair (AVX-512) or kPanelQuad adjacent panels (the last n_count wide).
+// kPanels: 1, 2 (kPanelPair on AVX-512; on AVX2 tiles of up to kSmallPairMaxRows rows) or
+// kPanelQuad adjacent panels (the last n_count wide).
 template <int MR, bool kPrefetch, int kPanels, typename W, int kGroup = 1>
 inline void panel_rows(const float* x, int64_t in_features, const W* panel, float* out,
                        int64_t out_features, int64_t n_count, int64_t rows, const W* next, int64_t tile,
@@ -257,20 +258,21 @@ inline void widen_panel(const W* panel, int64_t in_features, float* buffer) {
 // Every row of x against one panel (output features n0.. of `out`, n_count of them), in row
 // tiles as even as possible (20 rows: 5+5+5+5, not 6+6+6+2): a short tile has too few
 // independent FMA chains to hide the FMA latency. `next` is prefetched where `prefetch`.
-template <int kPanels = 1, int kGroup = 1, typename W>
+template <int kPanels = 1, int kGroup = 1, int kMaxRows = kPanelRows, typename W>
 inline void panel_over_rows(const float* x_ptr, int64_t rows, int64_t in_features, const W* panel, float* out_ptr,
                             int64_t out_features, int64_t n_count, bool prefetch, const W* next) {
-  const int64_t tiles = (rows + kPanelRows - 1) / kPanelRows, base = rows / tiles, extra = rows % tiles;
+  if (rows <= 0) return;
+  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, base = rows / tiles, extra = rows % tiles;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
     const int64_t tile_rows = base + (t < extra ? 1 : 0);
     if (prefetch)
-      panel_rows<kPanelRows, true, kPanels, W, kGroup>(x_ptr + m0 * in_features, in_features, panel,
-                                                     out_ptr + m0 * out_features, out_features, n_count, tile_rows,
-                                                     next, t, tiles);
+      panel_rows<kMaxRows, true, kPanels, W, kGroup>(x_ptr + m0 * in_features, in_features, panel,
+                                                   out_ptr + m0 * out_features, out_features, n_count, tile_rows,
+                                                   next, t, tiles);
     else
-      panel_rows<kPanelRows, false, kPanels, W, kGroup>(x_ptr + m0 * in_features, in_features, panel,
-                                                      out_ptr + m0 * out_features, out_features, n_count, tile_rows,
-                                                      nullptr, t, tiles);
+      panel_rows<kMaxRows, false, kPanels, W, kGroup>(x_ptr + m0 * in_features, in_features, panel,
+                                                    out_ptr + m0 * out_features, out_features, n_count, tile_rows,
+                                                    nullptr, t, tiles);
     m0 += tile_rows;
   }
 }
@@ -335,13 +337,9 @@ inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows,
   }
 #endif
 #if !defined(HAVE_AVX512_PANELS) && defined(HAVE_AVX2_FMA)
-  if (run.count == 2) {  // rows <= kSmallPairMaxRows: one tile
-    if (prefetch)
-      return panel_rows<kSmallPairMaxRows, true, 2, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
-                                                               run.last_width, rows, next, 0, 1);
-    return panel_rows<kSmallPairMaxRows, false, 2, W, kGroup>(x_ptr, in_features, panel, out_ptr, out_features,
-                                                              run.last_width, rows, nullptr, 0, 1);
-  }
+  if (run.count == 2)  // linear_panels asks for pairs at up to kSmallPairMaxRows rows: one tile
+    return panel_over_rows<2, kGroup, kSmallPairMaxRows>(x_ptr, rows, in_features, panel, out_ptr, out_features,
+                                                         run.last_width, prefetch, next);
 #endif
   if (run.count == 2)
     panel_over_rows<kPanelPair, kGroup>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width,
@@ -369,6 +367,7 @@ inline void scale_columns(float* out_ptr, int64_t rows, int64_t out_features, in
 template <typename W, int kGroup = 1>
 void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t rows, int64_t in_features,
                    int64_t out_features, int64_t num_panels, const float* column_scales = nullptr) {
+  if (rows <= 0) return;
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
   const int64_t unfetched_rows = std::is_same_v<W, float> ? kSmallPairMaxRows : 1;
@@ -380,7 +379,8 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   constexpr bool kWidenable = !std::is_same_v<W, float>;
   const bool widen = kWidenable && rows > kWidenFromRows;
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better
-  // on AVX-512; a single row on AVX2, whose one-panel tile has only two FMA chains, takes four.
+  // on AVX-512; on AVX2, whose one-panel tile has only two FMA chains a row, one row takes four
+  // panels and 2-3 rows two.
   const bool small = rows <= kSmallPairMaxRows || (kQuadFor<W> && rows <= kQuadMaxRows);
   const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || small);
   const int64_t wanted = !pairs                                 ? 1

@@ -13,6 +13,7 @@
 // or inf: the token means nothing). One call where torch takes a gather, a finiteness test of
 // several ops and a masked fill, every step, before the list the step's bookkeeping reads.
 std::vector<int64_t> finite_choices(at::Tensor logits, at::Tensor tokens) {
+  TORCH_CHECK(logits.device().is_cpu() && tokens.device().is_cpu(), "finite_choices: CPU tensors");
   TORCH_CHECK(logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "finite_choices: float32 [R, V] logits with contiguous rows");
   TORCH_CHECK(tokens.dtype() == at::kLong && tokens.dim() == 1 && tokens.size(0) == logits.size(0),
