@@ -104,7 +104,11 @@ def idle(status: inference_pb2.ClusterStatus) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(served_checkpoint):
-    with FakeCluster(served_checkpoint, step_ms=1, sections={"worker": {"max_num_seqs": 8}}) as c:
+    # A chat that sets no max_tokens would otherwise run to the end of the context (several seconds
+    # an example through the fake worker, a run's time set by how many such examples it draws): 64
+    # tokens, like a prompt's default, keeps every example short.
+    sections = {"worker": {"max_num_seqs": 8}, "gateway": {"chat_default_max_tokens": 64}}
+    with FakeCluster(served_checkpoint, step_ms=1, sections=sections) as c:
         yield c
 
 
