@@ -270,7 +270,7 @@ def test_a_call_of_no_rows_writes_nothing_and_returns():
 def test_finite_choices_keeps_each_rows_token_unless_its_logit_is_not_finite():
     """The sampler's one-call check: equal to the torch ops it replaces (gather, isfinite, masked fill),
     on strided rows and tokens; a token outside the vocabulary is refused, not read."""
-    from worker.sampler import non_finite_to_zero
+    from worker.non_finite_logits import non_finite_to_zero
 
     kernels = cpu_kernels.load()
     wide = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))

@@ -19,6 +19,7 @@ from worker.logits_processors import (
     apply_top_k_top_p_min_p,
 )
 from worker.model import cpu_kernels
+from worker.non_finite_logits import finite_token_ids, non_finite_rows
 
 __all__ = [
     "Sampler",
@@ -89,11 +90,6 @@ class SamplerOutput:
     # The rows whose raw logits are not all finite (NaN or inf: an activation overflowed, e.g. K/V past a
     # float16 pool's range); their tokens mean nothing. None on a step without such a row.
     non_finite_rows: list[int] | None = None
-
-
-def non_finite_to_zero(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [R] with 0 where a row's chosen logit in logits [R, V] is not finite (NaN or inf)."""
-    return tokens.masked_fill_(~torch.isfinite(logits.gather(1, tokens.unsqueeze(1)).squeeze(1)), 0)
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
@@ -222,23 +218,9 @@ class Sampler:
                         tops[i] = top_logprobs(raw_logprobs[j], params[i].top_logprobs)
         # Whichever path drew it, a token whose raw logit is not finite (a NaN row; one inf that argmax
         # takes) becomes 0, so only a step where some row took 0 looks at its whole logits again.
-        token_ids = self._finite_token_ids(logits, tokens)
-        non_finite = self._non_finite_rows(logits, token_ids) if 0 in token_ids else None
+        token_ids = finite_token_ids(logits, tokens, self._finite_choices)
+        non_finite = non_finite_rows(logits, token_ids) if 0 in token_ids else None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops, non_finite_rows=non_finite)
-
-    def _finite_token_ids(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
-        """tokens [R] as a list, 0 where the row's raw logit at its token is not finite: one kernel call on
-        CPU float32 logits (what a decode step's fixed cost would otherwise spend on a handful of torch ops)."""
-        if self._finite_choices is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-            return self._finite_choices(logits, tokens)
-        return non_finite_to_zero(logits, tokens).tolist()
-
-    @staticmethod
-    def _non_finite_rows(logits: torch.Tensor, token_ids: list[int]) -> list[int] | None:
-        """The rows that took token 0 whose logits [B, V] are not all finite; None if there are none."""
-        rows = [i for i, t in enumerate(token_ids) if t == 0]
-        finite = torch.isfinite(logits[rows]).all(dim=-1).tolist()  # logits[rows]: a copy of those rows only
-        return [i for i, ok in zip(rows, finite) if not ok] or None
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax of each row of the raw logits [R, V] (any float dtype, never copied); token ids [R]."""

@@ -306,6 +306,9 @@ constexpr int kSmallPairMaxRows = 3;
 #else
 constexpr int kSmallPairMaxRows = 0;
 #endif
+// The panels of a pair run where the build takes pairs (1: it never does), and the rows of its tiles.
+constexpr int kPairPanels = kPanelPair == 2 || kSmallPairMaxRows > 0 ? 2 : 1;
+constexpr int kPairTileRows = kSmallPairMaxRows > 0 ? kSmallPairMaxRows : kPanelRows;
 
 template <typename W>
 constexpr bool kQuadFor = std::is_same_v<W, int8_t>
@@ -318,7 +321,7 @@ inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t 
   int64_t count = 1;
   if (wanted >= 4 && kQuadMaxRows > 0 && p + 3 < end)
     count = 4;
-  else if (wanted >= 2 && (kPanelPair == 2 || kSmallPairMaxRows > 0) && p + 1 < end)
+  else if (wanted >= 2 && kPairPanels == 2 && p + 1 < end)
     count = 2;
   return {count, std::min(kPanel, out_features - (p + count - 1) * kPanel)};
 }
@@ -336,14 +339,9 @@ inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows,
                                                                   run.last_width, rows, nullptr, 0, 1);
   }
 #endif
-#if !defined(HAVE_AVX512_PANELS) && defined(HAVE_AVX2_FMA)
-  if (run.count == 2)  // linear_panels asks for pairs at up to kSmallPairMaxRows rows: one tile
-    return panel_over_rows<2, kGroup, kSmallPairMaxRows>(x_ptr, rows, in_features, panel, out_ptr, out_features,
-                                                         run.last_width, prefetch, next);
-#endif
   if (run.count == 2)
-    panel_over_rows<kPanelPair, kGroup>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width,
-                                        prefetch, next);
+    panel_over_rows<kPairPanels, kGroup, kPairTileRows>(x_ptr, rows, in_features, panel, out_ptr, out_features,
+                                                        run.last_width, prefetch, next);
   else
     panel_over_rows<1, kGroup>(x_ptr, rows, in_features, panel, out_ptr, out_features, run.last_width, prefetch,
                                next);
@@ -370,9 +368,11 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   if (rows <= 0) return;
   // Prefetching pays while the weight stream dominates (decode sizes); at prefill sizes every
   // panel is reused by many row tiles and the compute-bound loop does better without it.
-  const int64_t unfetched_rows = std::is_same_v<W, float> ? kSmallPairMaxRows : 1;
-  const bool prefetch =
-      rows <= kPrefetchMaxRows && (kPrefetchFewFloatRows || rows > unfetched_rows || std::is_same_v<W, int8_t>);
+  constexpr int64_t kUnfetchedRows = kPrefetchFewFloatRows     ? 0
+                                     : std::is_same_v<W, float> ? kSmallPairMaxRows
+                                     : std::is_same_v<W, int8_t> ? 0
+                                                                 : 1;
+  const bool prefetch = rows > kUnfetchedRows && rows <= kPrefetchMaxRows;
   // A bfloat16 or int8 panel that several row tiles pass over is widened once into a float32
   // copy that stays in L2, rather than once per row tile in registers: the widening, not the
   // FMAs, bounds a tile on AVX2. The float32 copy holds the same values, so the result is the same.
@@ -381,12 +381,9 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better
   // on AVX-512; on AVX2, whose one-panel tile has only two FMA chains a row, one row takes four
   // panels and 2-3 rows two.
-  const bool small = rows <= kSmallPairMaxRows || (kQuadFor<W> && rows <= kQuadMaxRows);
-  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || small);
-  const int64_t wanted = !pairs                                 ? 1
-                         : kQuadFor<W> && rows <= kQuadMaxRows ? kPanelQuad
-                         : rows <= kSmallPairMaxRows           ? 2
-                                                               : kPanelPair;
+  const bool quad = kQuadFor<W> && rows <= kQuadMaxRows, small_pair = rows <= kSmallPairMaxRows;
+  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || quad || small_pair);
+  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : small_pair ? 2 : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
