@@ -236,9 +236,10 @@ def test_argmax_kernel_matches_torch_including_ties(vocab):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_of_x_gets_the_same_bits_alone_as_in_any_batch(dtype):
     """Batch invariance of the packed-panel linear: every tile shape (one row over four panels on
-    AVX2, two for 2-3 rows, one or two for more, the widened copy of many rows) sums each output in the
-    same order, so a row's result does not depend on the rows beside it. 3 panels, 5 (four, then a
-    ragged one) and 4 (the ragged one the last of four)."""
+    AVX2, two for 2-3 rows, one or two for more; on AVX2 whole 6-row tiles over a pair of panels and
+    the rest over both or each, the widened copy of many rows) sums each output in the same order, so
+    a row's result does not depend on the rows beside it. 3 panels, 5 (four, then a ragged one) and 4
+    (the ragged one the last of four)."""
     kernels = cpu_kernels.load()
     g = torch.Generator().manual_seed(5)
     for out_features in (37, 69, 55):
@@ -248,7 +249,7 @@ def test_a_row_of_x_gets_the_same_bits_alone_as_in_any_batch(dtype):
         alone = torch.empty(40, out_features)
         for i in range(40):
             kernels.linear_packed(x[i:i + 1], panels, alone[i:i + 1])
-        for rows in (2, 3, 4, 5, 6, 7, 13, 19, 40):
+        for rows in (2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 19, 40):
             batched = torch.empty(rows, out_features)
             kernels.linear_packed(x[:rows], panels, batched)
             assert torch.equal(batched, alone[:rows]), (out_features, rows)

@@ -40,9 +40,14 @@ constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feed
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int kPanelPair = 1;
 #endif
-// Float32 calls of fewer rows take one panel a tile (AVX-512), or (AVX2) four for one row, two
-// for 2-3 rows and one for 4-11.
+// Float32 calls of fewer rows take one panel a tile (AVX-512, up to 11 rows), or (AVX2) four for
+// one row, two for 2-3 rows and one for 4-6; more rows on AVX2 go over pairs of panels, in
+// whole tiles of one panel each (whole_tiles_over_pair).
+#ifdef HAVE_AVX512_PANELS
 constexpr int64_t kFloatPairsFromRows = 12;
+#else
+constexpr int64_t kFloatPairsFromRows = kPanelRows + 1;
+#endif
 constexpr int64_t kPrefetchMaxRows = 64;
 // A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
 // prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind), and so do
@@ -200,9 +205,17 @@ inline void panel_tile(const float* x, int64_t in_features, const W* panel, floa
       _mm256_storeu_ps(out + i * out_features + q * kPanel, lo[q][i]);
       _mm256_storeu_ps(out + i * out_features + q * kPanel + 8, hi[q][i]);
     }
+    float* last = out + i * out_features + (kPanels - 1) * kPanel;
+    // A whole panel is stored directly: through `row`, a call with n_count known to be kPanel (GCC
+    // clones the tile per constant) kept the accumulators on the stack for the whole loop.
+    if (n_count == kPanel) {
+      _mm256_storeu_ps(last, lo[kPanels - 1][i]);
+      _mm256_storeu_ps(last + 8, hi[kPanels - 1][i]);
+      continue;
+    }
     _mm256_store_ps(row, lo[kPanels - 1][i]);
     _mm256_store_ps(row + 8, hi[kPanels - 1][i]);
-    std::memcpy(out + i * out_features + (kPanels - 1) * kPanel, row, n_count * sizeof(float));
+    std::memcpy(last, row, n_count * sizeof(float));
   }
 #else
   (void)panel_offset;
@@ -310,6 +323,10 @@ constexpr int kSmallPairMaxRows = 0;
 constexpr int kPairPanels = kPanelPair == 2 || kSmallPairMaxRows > 0 ? 2 : 1;
 constexpr int kPairTileRows = kSmallPairMaxRows > 0 ? kSmallPairMaxRows : kPanelRows;
 
+// AVX2 float32 pair runs of more rows than a tile holds: whole_tiles_over_pair.
+template <typename W>
+constexpr bool kWholeTilesOverPairs = kSmallPairMaxRows > 0 && std::is_same_v<W, float>;
+
 template <typename W>
 constexpr bool kQuadFor = std::is_same_v<W, int8_t>
 #ifndef HAVE_AVX512_PANELS
@@ -326,6 +343,37 @@ inline PanelRun panel_run(int64_t p, int64_t end, int64_t out_features, int64_t 
   return {count, std::min(kPanel, out_features - (p + count - 1) * kPanel)};
 }
 
+// A pair run of plain panels (AVX2, float32) over more rows than a tile holds: the rows in whole
+// kPanelRows tiles of one panel each (12 FMA chains, each weight row loaded once for six
+// broadcasts), then the rows left over as one tile over both panels where a pair tile holds them
+// (up to kSmallPairMaxRows), else one a panel. So 9 rows run as 6 + 3, not as the 5 + 4 of
+// panel_over_rows, whose 8-10 chains a tile fall short of hiding the FMA latency once the weight
+// is in cache (docs/benchmarks.md has the measurement). Each output still sums in k order. Every
+// tile prefetches its share (tile t of `tiles`) of the lines of the next run's panel it stands for.
+template <bool kPrefetch, typename W>
+inline void whole_tiles_over_pair(const PanelRun& run, const float* x_ptr, int64_t rows, int64_t in_features,
+                                  const W* panel, float* out_ptr, int64_t out_features, const W* next) {
+  const W* second = panel + in_features * kPanel;
+  const W* second_next = next != nullptr ? next + in_features * kPanel : nullptr;
+  const int64_t whole = rows / kPanelRows, rest = rows % kPanelRows, tiles = whole + (rest > 0 ? 1 : 0);
+  for (int64_t t = 0; t < whole; ++t) {
+    const float* x = x_ptr + t * kPanelRows * in_features;
+    float* out = out_ptr + t * kPanelRows * out_features;
+    panel_tile<kPanelRows, kPrefetch, W>(x, in_features, panel, out, out_features, kPanel, next, t, tiles);
+    panel_tile<kPanelRows, kPrefetch, W>(x, in_features, second, out + kPanel, out_features, run.last_width,
+                                         second_next, t, tiles);
+  }
+  if (rest == 0) return;
+  const float* x = x_ptr + whole * kPanelRows * in_features;
+  float* out = out_ptr + whole * kPanelRows * out_features;
+  if (rest <= kSmallPairMaxRows)
+    return panel_rows<kSmallPairMaxRows, kPrefetch, 2, W>(x, in_features, panel, out, out_features, run.last_width,
+                                                          rest, next, whole, tiles);
+  panel_rows<kPanelRows, kPrefetch, 1, W>(x, in_features, panel, out, out_features, kPanel, rest, next, whole, tiles);
+  panel_rows<kPanelRows, kPrefetch, 1, W>(x, in_features, second, out + kPanel, out_features, run.last_width, rest,
+                                          second_next, whole, tiles);
+}
+
 // panel_over_rows for the run's panels from `panel` (output features from out_ptr on).
 template <typename W, int kGroup = 1>
 inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows, int64_t in_features, const W* panel,
@@ -339,6 +387,13 @@ inline void run_over_rows(const PanelRun& run, const float* x_ptr, int64_t rows,
                                                                   run.last_width, rows, nullptr, 0, 1);
   }
 #endif
+  if constexpr (kWholeTilesOverPairs<W> && kGroup == 1) {
+    if (run.count == 2 && rows > kPanelRows) {
+      if (prefetch)
+        return whole_tiles_over_pair<true, W>(run, x_ptr, rows, in_features, panel, out_ptr, out_features, next);
+      return whole_tiles_over_pair<false, W>(run, x_ptr, rows, in_features, panel, out_ptr, out_features, nullptr);
+    }
+  }
   if (run.count == 2)
     panel_over_rows<kPairPanels, kGroup, kPairTileRows>(x_ptr, rows, in_features, panel, out_ptr, out_features,
                                                         run.last_width, prefetch, next);
@@ -380,10 +435,11 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   const bool widen = kWidenable && rows > kWidenFromRows;
   // Float32 panels of a call of few rows stream from memory, where one panel at a time does better
   // on AVX-512; on AVX2, whose one-panel tile has only two FMA chains a row, one row takes four
-  // panels and 2-3 rows two.
+  // panels and 2-3 rows two, and more than a tile's rows go over pairs in whole tiles.
   const bool quad = kQuadFor<W> && rows <= kQuadMaxRows, small_pair = rows <= kSmallPairMaxRows;
   const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || quad || small_pair);
-  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : small_pair ? 2 : kPanelPair;
+  const bool two = small_pair || (kWholeTilesOverPairs<W> && rows > kPanelRows);
+  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : two ? 2 : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
