@@ -34,6 +34,7 @@ from gateway.tls import grpc_server_credentials, tls_files
 from gateway.tokenizer import Tokenizer
 from protos import inference_pb2, inference_pb2_grpc
 from shared.config import ClusterConfig
+from shared.startup_objects import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -315,11 +316,13 @@ class Gateway:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.drain()))
+        frozen = freeze_startup_objects()
         g = self.config.gateway
-        log.info("gateway listening on %s:%d (gRPC%s)%s%s, workers at %s; %s", g.host, self.port,
+        log.info("gateway listening on %s:%d (gRPC%s)%s%s, workers at %s; %s; %d startup objects frozen out of "
+                 "garbage collection", g.host, self.port,
                  ", TLS" if g.tls_cert_file else "", f" and {self.http.port} (HTTP, OpenAI API)" if self.http else "",
                  " shared with other gateways (reuse_port)" if g.reuse_port else "", self.config.worker_endpoint,
-                 "API keys required" if self.keys.enabled else "no API keys")
+                 "API keys required" if self.keys.enabled else "no API keys", frozen)
         await self._stopped.wait()
         return 0
 

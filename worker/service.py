@@ -34,6 +34,7 @@ from shared.engine_config import EngineConfig
 from shared.ipc import WorkerSocket, new_incarnation
 from shared.model_fingerprint import model_fingerprint
 from shared.sampling_params import SamplingParams
+from shared.startup_objects import freeze_startup_objects
 from shared.wire import logprobs_to_wire, prompt_logprobs_to_wire, sampling_from_wire
 from worker.engine import Engine, RequestDelta
 from worker.memory import MemoryReader, MemoryReading
@@ -123,7 +124,9 @@ class WorkerService:
         try:
             self._warm_up()
             self._loaded = True
-            log.info("%s ready (incarnation %s) on %s", self.worker_id, self.incarnation, self.device)
+            frozen = freeze_startup_objects()
+            log.info("%s ready (incarnation %s) on %s; %d startup objects frozen out of garbage collection",
+                     self.worker_id, self.incarnation, self.device, frozen)
             while not self._stopping:
                 self.run_once()
             self._publish()  # the last heartbeat says draining
