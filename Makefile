@@ -7,12 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run run-partitioned test bench bench-cluster bench-http bench-structured bench-quantization bench-routing bench-gateway bench-llama-cpp bench-kv-cache bench-gpu experiments gpu-check lock protos clean
 
-# --no-compile: byte-compiling every installed module (torch, Ray, ...) took about two of the
-# install's three minutes; Python compiles the ones a process imports on first use instead.
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile -r requirements.lock
-	$(PY) -m pip install --quiet --no-compile --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 run: $(STAMP)
