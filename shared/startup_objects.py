@@ -1,11 +1,10 @@
 """Keeping a long-running process's startup objects out of Python's cyclic garbage collector.
 
-A model process holds some 290,000 objects the collector tracks once torch, transformers and the
-model are loaded (a gateway some 70,000), nearly all of them alive for the life of the process. A
-full collection walks every one: 230 ms in a model process, during which no step runs, and 65-70
-ms on the gateway's event loop, during which no stream is relayed (docs/benchmarks.md). Frozen
-once the process is ready, they sit in the permanent generation that collections skip; objects made
-later (requests, streams, steps) are collected as before. Pure Python, no torch.
+Once torch, transformers and the model are loaded (or the gateway's libraries), a process holds
+hundreds of thousands of tracked objects that live as long as it does, and a full collection walks
+every one while no step runs and no stream is relayed (docs/architecture.md has the measurement).
+Frozen once the process is ready, they sit in the permanent generation that collections skip;
+objects made later (requests, streams, steps) are collected as before. Pure Python, no torch.
 """
 from __future__ import annotations
 

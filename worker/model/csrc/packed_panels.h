@@ -40,14 +40,9 @@ constexpr int kPanelPair = 2;   // panels a tile takes: each broadcast of x feed
 constexpr int kPanelRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
 constexpr int kPanelPair = 1;
 #endif
-// Float32 calls of fewer rows take one panel a tile (AVX-512, up to 11 rows), or (AVX2) four for
-// one row, two for 2-3 rows and one for 4-6; more rows on AVX2 go over pairs of panels, in
-// whole tiles of one panel each (whole_tiles_over_pair).
-#ifdef HAVE_AVX512_PANELS
+// Float32 calls of fewer rows take one panel a tile (AVX-512), or (AVX2) four for one row, two
+// for 2-3 rows, one for 4-6 and, beyond a tile's rows, pairs in whole tiles (whole_tiles_over_pair).
 constexpr int64_t kFloatPairsFromRows = 12;
-#else
-constexpr int64_t kFloatPairsFromRows = kPanelRows + 1;
-#endif
 constexpr int64_t kPrefetchMaxRows = 64;
 // A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
 // prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind), and so do
@@ -437,9 +432,10 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   // on AVX-512; on AVX2, whose one-panel tile has only two FMA chains a row, one row takes four
   // panels and 2-3 rows two, and more than a tile's rows go over pairs in whole tiles.
   const bool quad = kQuadFor<W> && rows <= kQuadMaxRows, small_pair = rows <= kSmallPairMaxRows;
-  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || quad || small_pair);
-  const bool two = small_pair || (kWholeTilesOverPairs<W> && rows > kPanelRows);
-  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : two ? 2 : kPanelPair;
+  const bool whole_tile_pairs = kWholeTilesOverPairs<W> && rows > kPanelRows;
+  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || quad || small_pair ||
+                                whole_tile_pairs);
+  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : small_pair || whole_tile_pairs ? 2 : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
