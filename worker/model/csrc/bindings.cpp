@@ -1,5 +1,6 @@
 // The Python module: one entry per kernel (declared in kernels.h).
-#include <torch/extension.h>
+// pybind11 with torch's tensor casters, not torch/extension.h (which brings the whole C++ API into the build).
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 

@@ -9,6 +9,7 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>

@@ -14,6 +14,9 @@
 #include "kernels.h"
 #include "vector_math.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -60,7 +63,7 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
     linear_packed(x, weight, out);
   } else {
     const auto& input_scale = layer[first + kInputScale];
-    const at::Tensor input = input_scale ? (x * *input_scale) : x.contiguous();
+    const at::Tensor input = input_scale ? at::mul(x, *input_scale) : x.contiguous();
     const at::Tensor& scales = *layer[first + kScales];
     // Weight-only INT8 panels ([P, K, 16] or grouped [G, K, 2, 16]) end in one panel's 16
     // outputs, held INT4 tiles in a group's rows and columns; the int8-activation layouts' last

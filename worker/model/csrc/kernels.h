@@ -4,7 +4,9 @@
 // anything else.
 #pragma once
 
-#include <ATen/ATen.h>
+// The tensor type alone; each file includes the operators it calls (ATen/ATen.h would bring every
+// operator's declaration into every file's build).
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

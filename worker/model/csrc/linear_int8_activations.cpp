@@ -24,6 +24,7 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdlib>

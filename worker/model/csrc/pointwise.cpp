@@ -4,6 +4,7 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <limits>

@@ -10,6 +10,7 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

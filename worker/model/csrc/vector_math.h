@@ -3,7 +3,7 @@
 // pool may hold (float32, float16, bfloat16: kv_cache_dtype), widened to float32 as they are read.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
