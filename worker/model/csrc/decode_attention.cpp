@@ -9,7 +9,6 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -252,7 +251,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   seq_lens = seq_lens.contiguous();
   const DecodeAttentionPlan plan = plan_decode_attention(block_tables, seq_lens, k_cache.size(2));
   TORCH_CHECK(q.dim() == 3 && q.size(0) == plan.num_seqs, "paged_decode_attention: q [B, H, D], one row per sequence");
-  auto out = at::empty_like(q);
+  auto out = q.new_empty(q.sizes());
   decode_attention_layer(plan, q.data_ptr<float>(), q.size(1) * q.size(2), k_cache, v_cache, q.size(1), q.size(2),
                          scale, out.data_ptr<float>());
   return out;

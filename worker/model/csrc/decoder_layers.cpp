@@ -14,9 +14,6 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/mul.h>
-
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -63,7 +60,7 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
     linear_packed(x, weight, out);
   } else {
     const auto& input_scale = layer[first + kInputScale];
-    const at::Tensor input = input_scale ? at::mul(x, *input_scale) : x.contiguous();
+    const at::Tensor input = input_scale ? x.mul(*input_scale) : x.contiguous();
     const at::Tensor& scales = *layer[first + kScales];
     // Weight-only INT8 panels ([P, K, 16] or grouped [G, K, 2, 16]) end in one panel's 16
     // outputs, held INT4 tiles in a group's rows and columns; the int8-activation layouts' last
@@ -95,7 +92,7 @@ at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& embedding) {
               "embedding: a contiguous float32 or bfloat16 [V, hidden] table");
   const int64_t tokens = input_ids.size(0), vocab = embedding.size(0), hidden = embedding.size(1);
   const int64_t* ids = input_ids.data_ptr<int64_t>();
-  at::Tensor x = at::empty({tokens, hidden}, embedding.options().dtype(at::kFloat));
+  at::Tensor x = embedding.new_empty({tokens, hidden}, at::kFloat);
   float* out = x.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " outside the vocabulary of ", vocab);
@@ -152,16 +149,15 @@ at::Tensor decoder_layers(at::Tensor input_ids, at::Tensor embedding, at::Tensor
   }
   const int64_t q_size = num_heads * head_dim;
   const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
-  const auto options = residual.options();
   // One set of scratch for the whole call; every layer writes each before it reads it.
-  at::Tensor normed = at::empty({tokens, hidden}, options);
-  at::Tensor qkv = at::empty({tokens, qkv_size}, options);
-  at::Tensor attention = at::empty({tokens, num_heads, head_dim}, options);
-  at::Tensor gate_up = at::empty({tokens, 2 * intermediate_size}, options);
-  at::Tensor activation = at::empty({tokens, intermediate_size}, options);
+  at::Tensor normed = residual.new_empty({tokens, hidden});
+  at::Tensor qkv = residual.new_empty({tokens, qkv_size});
+  at::Tensor attention = residual.new_empty({tokens, num_heads, head_dim});
+  at::Tensor gate_up = residual.new_empty({tokens, 2 * intermediate_size});
+  at::Tensor activation = residual.new_empty({tokens, intermediate_size});
   // The residual stream alternates between two buffers: a sublayer's output becomes the stream
   // once the old stream is added into it (add_rms_norm adds in place), so nothing is copied.
-  at::Tensor spare = at::empty({tokens, hidden}, options);
+  at::Tensor spare = residual.new_empty({tokens, hidden});
   const at::Tensor q = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim}).narrow(1, 0, num_heads);
   const at::Tensor attended = attention.view({tokens, q_size});
   const bool all_decodes = num_decodes == tokens;

@@ -24,7 +24,6 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -195,8 +194,7 @@ at::Tensor int8_activation_group_columns(at::Tensor scales, std::optional<at::Te
     z = zeros->contiguous();
     TORCH_CHECK(z.dtype() == at::kFloat && z.numel() == scales.numel(), "zeros: float32, shaped as scales");
   }
-  at::Tensor columns = at::empty({(out_features + kColumnRows - 1) / kColumnRows, num_groups, 2, kColumnRows},
-                                 scales.options());
+  at::Tensor columns = scales.new_empty({(out_features + kColumnRows - 1) / kColumnRows, num_groups, 2, kColumnRows});
   const float* s = scales.data_ptr<float>();
   const float* zp = z.defined() ? z.data_ptr<float>() : nullptr;
   float* c = columns.data_ptr<float>();

@@ -4,7 +4,6 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <limits>
@@ -41,7 +40,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
   logits = logits.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(vocab >= 1, "empty rows");
-  auto out = at::empty({rows}, at::kLong);
+  auto out = logits.new_empty({rows}, at::kLong);
   const float* in_ptr = logits.data_ptr<float>();
   int64_t* out_ptr = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

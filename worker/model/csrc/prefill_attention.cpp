@@ -10,7 +10,6 @@
 #include "vector_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -196,7 +195,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     panel_offset[s + 1] = panel_offset[s] + num_kv_heads * ((lens[s] + kKeys - 1) / kKeys) * head_dim * kKeys;
   }
   std::vector<int64_t> slots(slot_offset[num_seqs]);
-  auto packed = at::empty({panel_offset[num_seqs]}, k_cache.options().dtype(at::kFloat));
+  auto packed = k_cache.new_empty({panel_offset[num_seqs]}, at::kFloat);
   float* packed_ptr = packed.data_ptr<float>();
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t* table = tables + s * table_width;
