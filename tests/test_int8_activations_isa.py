@@ -29,7 +29,7 @@ def _host_has_avx512f() -> bool:
 
 def _skip_if_native(build: str) -> None:
     # Without AVX-512 the native build already is the AVX2 path, held to the same statement by
-    # tests/test_int8_activations.py: a second build (over a minute) would test nothing more.
+    # tests/test_int8_activations.py: a second build would test nothing more.
     if build == "avx2" and not _host_has_avx512f():
         pytest.skip("this host has no AVX-512: its native build is the AVX2 path")
 

@@ -4,8 +4,8 @@
 // anything else.
 #pragma once
 
-// The tensor type alone, its methods included (new_empty, mul, ...): ATen/ATen.h, or an operator's own
-// header such as ATen/ops/empty.h, would bring most of torch's declarations into every file's build.
+// The tensor type alone, its methods included (new_empty, mul, ...): ATen/ATen.h brings every operator's
+// declaration into every file's build, and even one operator's header (ATen/ops/empty.h) adds much of it.
 #include <ATen/core/Tensor.h>
 
 #include <optional>
