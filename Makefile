@@ -15,7 +15,8 @@ $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -m compileall -q -j 0 -x py312_intrinsics "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+	$(PY) -m compileall -q -j 0 -x py312_intrinsics \
+		"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	touch $(STAMP)
 
 run: $(STAMP)

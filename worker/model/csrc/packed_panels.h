@@ -432,10 +432,9 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
   // on AVX-512; on AVX2, whose one-panel tile has only two FMA chains a row, one row takes four
   // panels and 2-3 rows two, and more than a tile's rows go over pairs in whole tiles.
   const bool quad = kQuadFor<W> && rows <= kQuadMaxRows, small_pair = rows <= kSmallPairMaxRows;
-  const bool whole_tile_pairs = kWholeTilesOverPairs<W> && rows > kPanelRows;
-  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || quad || small_pair ||
-                                whole_tile_pairs);
-  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : small_pair || whole_tile_pairs ? 2 : kPanelPair;
+  const bool two = small_pair || (kWholeTilesOverPairs<W> && rows > kPanelRows);
+  const bool pairs = !widen && (!std::is_same_v<W, float> || rows >= kFloatPairsFromRows || quad || two);
+  const int64_t wanted = !pairs ? 1 : quad ? kPanelQuad : two ? 2 : kPanelPair;
   const int64_t num_groups = (num_panels + kGroup - 1) / kGroup;
   auto panel_at = [&](int64_t p) { return p_ptr + grouped_panel_offset<kGroup>(p, in_features); };
   at::parallel_for(0, num_groups, grain_for(2 * rows * in_features * kPanel * kGroup), [&](int64_t begin, int64_t end) {
