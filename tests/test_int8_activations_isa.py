@@ -44,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_batch_int4", &linear_small_batch_int4);
   m.def("linear_int8_weights_int8_activations", &linear_int8_weights_int8_activations);
   m.def("linear_int4_weights_int8_activations", &linear_int4_weights_int8_activations);
+  m.def("int4_row_kernel", &int4_row_kernel);
 }
 """
 _KERNEL_SOURCES = ("linear.cpp", "linear_int8_activations.cpp")
@@ -86,21 +87,36 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
             torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
     # The weight-only kernels of the same build: register tiles, INT4's nibble-split order (groups
     # of whole runs of 16) and feature order (groups of 8), the float32 panel route above them,
-    # and INT8 panels.
-    for bits, group_size in ((8, 0), (4, 128), (4, 32), (4, 8)):
-        g = torch.Generator().manual_seed(bits * 100 + group_size)
-        qw = quantize(torch.randn(37, 256, generator=g), bits, group_size=group_size or 128)
-        for rows in (1, 3, 7, 12, 16, 19, 40):
-            x = torch.randn(rows, 256, generator=g)
-            out = torch.empty(rows, 37)
-            if bits == 8:
-                kernels.linear_small_batch_int8(x, qw.qweight, qw.scales, out)
-            else:
-                kernels.linear_small_batch_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, out)
-            want = x.double() @ dequantize(qw).double().t()
-            torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
-            if bits == 8:  # INT8 held as the float tiles' panels (widened once above 18 rows on AVX2)
-                for group in (1, 2):  # plain, and in the pairs an AVX-512 build holds
-                    out.fill_(float("nan"))
-                    kernels.linear_small_batch_int8(x, pack_panels(qw.qweight, group), qw.scales, out)
-                    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    # and INT8 panels; a single INT4 row through each one-row tile the build has (an AVX2 build's
+    # own choice is its int8 tile, which holds x to a grid: tests/test_quantization_kernels.py).
+    for tile in _int4_row_tiles(kernels):
+        kernels.int4_row_kernel(tile)
+        for bits, group_size in ((8, 0), (4, 128), (4, 32), (4, 8)):
+            g = torch.Generator().manual_seed(bits * 100 + group_size)
+            qw = quantize(torch.randn(37, 256, generator=g), bits, group_size=group_size or 128)
+            w = dequantize(qw).double()
+            for rows in (1, 3, 7, 12, 16, 19, 40):
+                x = torch.randn(rows, 256, generator=g)
+                out = torch.empty(rows, 37)
+                if bits == 8:
+                    kernels.linear_small_batch_int8(x, qw.qweight, qw.scales, out)
+                else:
+                    kernels.linear_small_batch_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, out)
+                want = x.double() @ w.t()
+                atol = 1e-5 * want.abs().max().item()
+                if tile == "int8" and bits == 4 and rows == 1 and group_size % 64 == 0:
+                    # Each element of x within 1/(127 * 256) of its 32 features' largest |x|.
+                    units = x[0].double().view(-1, 32).abs().amax(1).repeat_interleave(32) / (127 * 256)
+                    atol = max(atol, (w.abs() @ units).max().item())
+                torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
+
+
+def _int4_row_tiles(kernels) -> list[str]:
+    """The one-row INT4 tiles of this build among the float FMA tile and the AVX2 int8 one."""
+    tiles = ["fma"]
+    try:
+        kernels.int4_row_kernel("int8")
+        tiles.append("int8")
+    except RuntimeError as e:
+        assert "the tiles this build has" in str(e)
+    return tiles
