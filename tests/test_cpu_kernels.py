@@ -199,14 +199,20 @@ def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, 
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 4, 64), (14, 2, 64), (32, 8, 128), (6, 6, 80)])
-def test_prefill_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("query_lens, context_lens, threads", [
+    # fresh prompts, chunks after cached context (block-aligned or not), one-token chunks, long ones:
+    # a thread packs a (sequence, KV head)'s K and attends its tiles
+    ([1, 5, 37, 16, 1, 130, 3], [0, 0, 0, 16, 40, 21, 300], 2),
+    ([9], [300], 3),  # a verify chunk: with fewer such groups than threads, all pack, then all take tiles
+    ([2], [3], 2),  # too little work to wake a second thread
+])
+def test_prefill_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, query_lens, context_lens,
+                                                        threads):
     from worker.model.attention import paged_attention_reference
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
     assert kernels.prefill_attention_supported(head_dim) and not kernels.prefill_attention_supported(24)
-    # fresh prompts, chunks after cached context (block-aligned or not), one-token chunks, long ones
-    query_lens, context_lens = [1, 5, 37, 16, 1, 130, 3], [0, 0, 0, 16, 40, 21, 300]
     q, k_cache, v_cache, meta = _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim,
                                             seed=head_dim)
     meta.num_decodes = 0  # every sequence as a prompt chunk, the 1-token ones included
@@ -215,8 +221,13 @@ def test_prefill_attention_kernel_matches_the_reference(num_heads, num_kv_heads,
     wide = torch.randn(q.shape[0], num_heads + 3, head_dim)  # q as a strided view, as inside qkv
     wide[:, :num_heads] = q
     ours = torch.full_like(q, float("nan"))
-    kernels.paged_prefill_attention(wide[:, :num_heads], k_cache, v_cache, meta.block_tables, meta.seq_lens, starts,
-                                    scale, ours)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.paged_prefill_attention(wide[:, :num_heads], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        starts, scale, ours)
+    finally:
+        torch.set_num_threads(before)
     expected = paged_attention_reference(q, None, None, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 

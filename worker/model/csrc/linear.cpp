@@ -181,25 +181,6 @@ inline void quantized_tile(const float* x_ptr, int64_t in_features, int64_t grou
 }
 
 #ifdef HAVE_AVX2_FMA
-// r[i] = column i of the 8 x 8 block whose rows r held on entry.
-inline void transpose8x8(__m256 r[8]) {
-  __m256 t[8], s[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int h = 0; h < 2; ++h) {
-    s[4 * h] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
-    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xEE);
-    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
-    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
-  }
-}
-
 // A call of more than kInt8WidenFromRows / kInt4WidenFromRows rows: the register tiles above
 // would widen every weight once per 3 rows of x, and on AVX2 that widening, not the FMAs, bounds
 // them. Instead each run of kPanel weight rows is dequantized once into a float32 panel (the

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #ifdef HAVE_AVX2_FMA
@@ -148,6 +149,35 @@ void attend_rows(int count, const TileRows& rows, const Sequence& seq, const Sha
   }
 }
 
+// K of one sequence's KV head as its panels: panel p holds keys 16p .. 16p + 15 side by side for
+// each head dim, keys past the sequence zero. Eight keys' rows at a time, eight head dims at a
+// time, go through one 8 x 8 transpose: a scalar copy wrote each float on its own, 16 floats apart.
+template <typename KV>
+void pack_k(const KV* k_pool, const Sequence& seq, int64_t slot_stride, int64_t head_offset, int64_t head_dim,
+            float* dst) {
+  const int64_t len = seq.len(), panels = (len + kKeys - 1) / kKeys;
+  for (int64_t p = 0; p < panels; ++p) {
+    float* panel = dst + p * head_dim * kKeys;
+    for (int64_t lane0 = 0; lane0 < kKeys; lane0 += kLanes) {
+      const int64_t t0 = p * kKeys + lane0, valid = std::clamp<int64_t>(len - t0, 0, kLanes);
+      const KV* rows[kLanes];
+      for (int64_t j = 0; j < valid; ++j) rows[j] = k_pool + seq.slots[t0 + j] * slot_stride + head_offset;
+      for (int64_t d0 = 0; d0 < head_dim; d0 += kLanes) {
+        __m256 r[kLanes];
+        if (valid == kLanes) {
+#pragma GCC unroll 8
+          for (int j = 0; j < kLanes; ++j) r[j] = load8(rows[j] + d0);
+        } else {
+          for (int64_t j = 0; j < kLanes; ++j) r[j] = j < valid ? load8(rows[j] + d0) : _mm256_setzero_ps();
+        }
+        transpose8x8(r);
+#pragma GCC unroll 8
+        for (int i = 0; i < kLanes; ++i) _mm256_storeu_ps(panel + (d0 + i) * kKeys + lane0, r[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
 #endif
 
@@ -177,7 +207,9 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   seq_lens = seq_lens.contiguous();
   query_starts = query_starts.contiguous();
   const int64_t num_seqs = seq_lens.size(0), block_size = k_cache.size(1), table_width = block_tables.size(1);
-  TORCH_CHECK(query_starts.size(0) == num_seqs + 1 && query_starts[num_seqs].item<int64_t>() == q.size(0),
+  TORCH_CHECK(seq_lens.dtype() == at::kLong && query_starts.dtype() == at::kLong && block_tables.dtype() == at::kLong,
+              "seq_lens, query_starts and block_tables: int64");
+  TORCH_CHECK(query_starts.size(0) == num_seqs + 1 && query_starts.data_ptr<int64_t>()[num_seqs] == q.size(0),
               "query_starts: S + 1 offsets ending at q's row count");
 #ifdef HAVE_AVX2_FMA
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -203,7 +235,13 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     seqs[s] = Sequence{starts[s], starts[s + 1] - starts[s], lens[s] - (starts[s + 1] - starts[s]),
                        packed_ptr + panel_offset[s], slots.data() + slot_offset[s]};
   }
-  // Work items: (sequence, KV head, tile of rows), longest rows first (a late tile sees the most keys).
+  // Groups: (sequence, KV head), each packed once, longest sequence first.
+  const int64_t num_groups = num_seqs * num_kv_heads;
+  std::vector<int64_t> groups(num_groups);
+  std::iota(groups.begin(), groups.end(), 0);
+  std::stable_sort(groups.begin(), groups.end(),
+                   [&](int64_t a, int64_t b) { return lens[a / num_kv_heads] > lens[b / num_kv_heads]; });
+  // Work items: (group, tile of rows), longest rows first (a late tile sees the most keys).
   struct Item { int64_t seq, kv_head, row0; };
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
@@ -212,52 +250,60 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return seqs[a.seq].ctx + a.row0 / shapes.group > seqs[b.seq].ctx + b.row0 / shapes.group;
   });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  // The tiles' float operations: a step too small to wake the other threads for runs on this one.
+  int64_t work = 0;
+  for (const Sequence& seq : seqs) work += seq.q_len * num_heads * seq.len() * 4 * head_dim;
+  const int64_t threads =
+      work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  // With a group for every thread, a thread packs a group's K and attends all its tiles, so the
+  // panels never move between cores' caches; with fewer, every thread packs, then takes tiles.
+  const bool by_group = num_groups >= threads;
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   with_kv_type(k_cache, v_cache, "paged_prefill_attention", [&](auto zero) {
     using KV = decltype(zero);
     const KV* k_pool = k_cache.data_ptr<KV>();
     const KV* v_pool = v_cache.data_ptr<KV>();
-    // Pack K: panel p of head g holds keys 16p .. 16p + 15 side by side for each head dim.
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const Sequence& seq = seqs[item / num_kv_heads];
-        const int64_t g = item % num_kv_heads, len = seq.len(), panels = (len + kKeys - 1) / kKeys;
-        float* dst = const_cast<float*>(seq.k_panels) + g * panels * head_dim * kKeys;
-        for (int64_t p = 0; p < panels; ++p)
-          for (int64_t lane = 0; lane < kKeys; ++lane) {
-            const int64_t t = p * kKeys + lane;
-            float* column = dst + p * head_dim * kKeys + lane;
-            if (t >= len) {
-              for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = 0.f;
-              continue;
-            }
-            const KV* k = k_pool + seq.slots[t] * shapes.slot_stride + g * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) column[d * kKeys] = static_cast<float>(k[d]);
-          }
+    auto pack = [&](int64_t group) {
+      const Sequence& seq = seqs[group / num_kv_heads];
+      const int64_t g = group % num_kv_heads, panels = (seq.len() + kKeys - 1) / kKeys;
+      pack_k(k_pool, seq, shapes.slot_stride, g * head_dim, head_dim,
+             const_cast<float*>(seq.k_panels) + g * panels * head_dim * kKeys);
+    };
+    auto attend = [&](int64_t s, int64_t kv_head, int64_t row0, std::vector<float>& scores) {
+      const Sequence& seq = seqs[s];
+      TileRows rows;
+      rows.count = static_cast<int>(std::min<int64_t>(kTileRows, seq.q_len * shapes.group - row0));
+      rows.max_limit = 0;
+      for (int i = 0; i < rows.count; ++i) {
+        const int64_t r = row0 + i, position = r / shapes.group;
+        const int64_t head = kv_head * shapes.group + r % shapes.group;
+        rows.q[i] = q_ptr + (seq.q_start + position) * shapes.q_row_stride + head * head_dim;
+        rows.out[i] = out_ptr + (seq.q_start + position) * shapes.out_row_stride + head * head_dim;
+        rows.limit[i] = seq.ctx + position + 1;
+        rows.max_limit = std::max(rows.max_limit, rows.limit[i]);
       }
-    });
-    const int64_t num_items = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items)))
+      attend_rows<kTileRows>(rows.count, rows, seq, shapes, kv_head, v_pool, scores);
+    };
+#pragma omp parallel num_threads(threads)
     {
       std::vector<float> scores;
+      if (by_group) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t n = 0; n < num_items; ++n) {
-        const Item& item = items[n];
-        const Sequence& seq = seqs[item.seq];
-        const int64_t total_rows = seq.q_len * shapes.group;
-        TileRows rows;
-        rows.count = static_cast<int>(std::min<int64_t>(kTileRows, total_rows - item.row0));
-        rows.max_limit = 0;
-        for (int i = 0; i < rows.count; ++i) {
-          const int64_t r = item.row0 + i, position = r / shapes.group;
-          const int64_t head = item.kv_head * shapes.group + r % shapes.group;
-          rows.q[i] = q_ptr + (seq.q_start + position) * shapes.q_row_stride + head * head_dim;
-          rows.out[i] = out_ptr + (seq.q_start + position) * shapes.out_row_stride + head * head_dim;
-          rows.limit[i] = seq.ctx + position + 1;
-          rows.max_limit = std::max(rows.max_limit, rows.limit[i]);
+        for (int64_t n = 0; n < num_groups; ++n) {
+          const int64_t group = groups[n], s = group / num_kv_heads, g = group % num_kv_heads;
+          pack(group);
+          // Latest rows first, as the items below.
+          const int64_t last = (seqs[s].q_len * shapes.group - 1) / kTileRows * kTileRows;
+          for (int64_t row0 = last; row0 >= 0; row0 -= kTileRows) attend(s, g, row0, scores);
         }
-        attend_rows<kTileRows>(rows.count, rows, seq, shapes, item.kv_head, v_pool, scores);
+      } else {
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < num_groups; ++n) pack(groups[n]);
+        // The loop's closing barrier: every panel is packed before any tile reads it.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < num_items; ++n) attend(items[n].seq, items[n].kv_head, items[n].row0, scores);
       }
     }
   });
