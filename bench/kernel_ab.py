@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--format", default="int8", choices=[f[0] for f in FORMATS])
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per timed run")
+    parser.add_argument("--context", type=int, default=4,
+                        help="prompt tokens before them (long ones weigh the attention kernels)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model-dir", help="checkpoint folder (default: bench-small)")
     args = parser.parse_args()
@@ -71,11 +73,12 @@ def main() -> None:
     settings = next(engine for name, engine, _ in FORMATS if name == args.format)
     model_dir = Path(args.model_dir) if args.model_dir else ensure_bench_small()
     engine = Engine.from_model_dir(model_dir, device="cpu", num_threads=args.threads, quantization_calibration="none",
-                                   num_kv_blocks=64, max_num_seqs=1, **settings)
+                                   num_kv_blocks=max(64, -(-(args.context + args.tokens + 1) // 16) + 1), max_num_seqs=1,
+                                   **settings)
     if engine.runner.fast_path is None:
         raise SystemExit("this engine runs no CPU fast path: there are no kernels to swap")
     builds = {"A": cpu_kernels.load(), "B": other_build(args.other)}
-    prompt = list(range(3, 7))
+    prompt = [3 + i % 200 for i in range(args.context)]
     for kernels in builds.values():  # warm-up: first-call allocations on either build
         use_kernels(engine, kernels)
         engine_decode_seconds(engine, prompt, 16)
@@ -86,7 +89,7 @@ def main() -> None:
             first = engine_decode_seconds(engine, prompt, 1)
             ms[side].append((engine_decode_seconds(engine, prompt, args.tokens + 1) - first) / args.tokens * 1e3)
     ratios = [a / b for a, b in zip(ms["A"], ms["B"])]
-    print(f"{args.format}, {model_dir.name}, {args.rounds} rounds: A {statistics.median(ms['A']):.3f} ms a token, "
+    print(f"{args.format}, {model_dir.name}, {args.context}-token prompt, {args.rounds} rounds: A {statistics.median(ms['A']):.3f} ms a token, "
           f"B {statistics.median(ms['B']):.3f}; A/B per round: median {statistics.median(ratios):.3f}x "
           f"(smallest {min(ratios):.3f}x, largest {max(ratios):.3f}x)")
 

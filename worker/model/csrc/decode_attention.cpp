@@ -1,10 +1,11 @@
 // Paged decode attention: one new query token per sequence, K/V read in place through the
 // block table (no gathered copy). A decode step is bound by how fast K/V stream in from memory
-// (every live token of every sequence, every layer), so the kernel reads each slot's row (all
-// KV heads, contiguous) once per pass, front to back, with the row a few slots ahead
-// prefetched: slots sit in blocks scattered over the pool, where the hardware prefetcher
-// stops at every block boundary. A half pool (float16, bfloat16) is widened to float32 in
-// registers as it is read, so it streams half the bytes.
+// (every live token of every sequence, every layer), so the kernel walks each sequence's blocks
+// front to back once per pass, a block's rows (all KV heads, contiguous) in L1 while every query
+// head takes them, with rows a few slots ahead and the next block's first ones prefetched: slots
+// sit in blocks scattered over the pool, where the hardware prefetcher stops at every block
+// boundary. A half pool (float16, bfloat16) is widened to float32 in registers as it is read, so
+// it streams half the bytes.
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -29,6 +30,13 @@ struct SequenceView {
   int64_t len;
 };
 
+inline void prefetch_row([[maybe_unused]] const void* row, [[maybe_unused]] int64_t num_bytes) {
+#ifdef HAVE_AVX2_FMA
+  const char* bytes = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T1);
+#endif
+}
+
 // KV: the pools' element type (float, c10::Half or c10::BFloat16).
 template <typename KV>
 struct PoolView {
@@ -36,8 +44,24 @@ struct PoolView {
   const KV* v;
   int64_t block_size, slot_stride, num_heads, group, head_dim;
 
-  const KV* slot(const KV* pool, const int64_t* table, int64_t token) const {
-    return pool + (table[token / block_size] * block_size + token % block_size) * slot_stride;
+  // f(t0, base, count, next) for each block of the sequence: its first token, its first slot's row
+  // in `pool`, its tokens (< len) and the next block's first row (nullptr after the last). Block by
+  // block because the block size is only known at run time: a division and a remainder per token
+  // cost more than the token's FMAs.
+  template <typename F>
+  void for_each_block(const KV* pool, const int64_t* table, int64_t len, F&& f) const {
+    const int64_t block_floats = block_size * slot_stride;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b)
+      f(t0, pool + table[b] * block_floats, std::min(block_size, len - t0),
+        t0 + block_size < len ? pool + table[b + 1] * block_floats : nullptr);
+  }
+
+  // f(t, row) for each token t < len with its slot's row in `pool`.
+  template <typename F>
+  void for_each_row(const KV* pool, const int64_t* table, int64_t len, F&& f) const {
+    for_each_block(pool, table, len, [&](int64_t t0, const KV* base, int64_t count, const KV*) {
+      for (int64_t s = 0; s < count; ++s) f(t0 + s, base + s * slot_stride);
+    });
   }
 
   // Bytes of a slot's row this view reads: its KV heads only (all of them unless split).
@@ -45,100 +69,122 @@ struct PoolView {
 };
 
 #ifdef HAVE_AVX2_FMA
-inline void prefetch_row(const void* row, int64_t num_bytes) {
-  const char* bytes = static_cast<const char*>(row);
-  for (int64_t offset = 0; offset < num_bytes; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T1);
-}
 
-// Lane i: q_head[i] . k_head[i] over head_dim (a multiple of 8), for the first `active` (at most
-// kMax) of them, unrolled where active is kMax; lanes past those are 0.
-template <int kMax, typename KV>
-inline __m256 head_dots(const float* const* q_head, const KV* const* k_head, int64_t head_dim, int64_t active = kMax) {
+// Lane j: q . rows[j][0 .. head_dim) for eight rows of keys, the eight dot products finished in
+// one reduction (a reduction per key would cost more than the key's FMAs).
+template <typename KV>
+inline __m256 eight_dots(const float* q, const KV* const rows[kLanes], int64_t head_dim) {
   __m256 acc[kLanes];
 #pragma GCC unroll 8
-  for (int i = 0; i < kLanes; ++i) acc[i] = _mm256_setzero_ps();
-  if (active == kMax) {
-    for (int64_t d = 0; d < head_dim; d += kLanes) {
+  for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
 #pragma GCC unroll 8
-      for (int i = 0; i < kMax; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), load8(k_head[i] + d), acc[i]);
-    }
-  } else {
-    for (int64_t d = 0; d < head_dim; d += kLanes)
-      for (int64_t i = 0; i < active; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_head[i] + d), load8(k_head[i] + d), acc[i]);
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(rows[j] + d), acc[j]);
   }
   return sums_of_eight(acc);
 }
 
-// head_dim a multiple of 8. Scores are laid out [len, heads rounded up to 8], so the softmax
-// runs across 8 heads per vector with no horizontal step.
+// out[0 .. 8N) (+)= sum over the block's `count` slots of p[s] * v[s][0 .. 8N): N accumulators held
+// in registers over the block, the output read and written once per block, not once per slot.
+template <int N, typename KV>
+inline void value_chunk(const float* p, const KV* v, int64_t slot_stride, int64_t count, float* out, bool first) {
+  __m256 acc[N];
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) acc[i] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + i * kLanes);
+  for (int64_t s = 0; s < count; ++s) {
+    const __m256 weight = _mm256_broadcast_ss(p + s);
+    const KV* row = v + s * slot_stride;
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(weight, load8(row + i * kLanes), acc[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(out + i * kLanes, acc[i]);
+}
+
+template <int N, typename KV>
+inline void value_chunks(int64_t vectors, const float* p, const KV* v, int64_t slot_stride, int64_t count, float* out,
+                         bool first) {
+  if constexpr (N > 0) {
+    if (vectors == N) return value_chunk<N>(p, v, slot_stride, count, out, first);
+    value_chunks<N - 1>(vectors, p, v, slot_stride, count, out, first);
+  }
+}
+
+// Softmax of s[0 .. len) in place, each value divided by the sum (so P V needs no final scaling).
+inline void softmax_in_place(float* s, int64_t len) {
+  __m256 max_v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kLanes <= len; t += kLanes) max_v = _mm256_max_ps(max_v, _mm256_loadu_ps(s + t));
+  float max_score = horizontal_max(max_v);
+  for (; t < len; ++t) max_score = std::max(max_score, s[t]);
+  const __m256 max_b = _mm256_set1_ps(max_score);
+  __m256 total_v = _mm256_setzero_ps();
+  for (t = 0; t + kLanes <= len; t += kLanes) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_b));
+    _mm256_storeu_ps(s + t, e);
+    total_v = _mm256_add_ps(total_v, e);
+  }
+  float total = horizontal_sum(total_v);
+  for (; t < len; ++t) total += (s[t] = std::exp(s[t] - max_score));
+  const float inverse = 1.f / total;
+  const __m256 inverse_v = _mm256_set1_ps(inverse);
+  for (t = 0; t + kLanes <= len; t += kLanes) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inverse_v));
+  for (; t < len; ++t) s[t] *= inverse;
+}
+
+// head_dim a multiple of 8. Scores are laid out [head, len rounded up to 8]: each query head's
+// dots come eight keys at a time, the keys' rows in L1 while the group's heads take them.
 template <typename KV>
 void attend_avx2(const SequenceView& seq, const PoolView<KV>& pool, float scale, std::vector<float>& scores) {
-  const int64_t num_heads = pool.num_heads, head_dim = pool.head_dim, len = seq.len;
-  const int64_t padded_heads = (num_heads + kLanes - 1) / kLanes * kLanes;
-  scores.resize(len * padded_heads + padded_heads);  // the scores, then 1 / sum per head
-  float* inverse = scores.data() + len * padded_heads;
+  const int64_t num_heads = pool.num_heads, head_dim = pool.head_dim, len = seq.len, group = pool.group;
+  const int64_t padded_len = (len + kLanes - 1) / kLanes * kLanes;
+  scores.resize(num_heads * padded_len);
   const __m256 scale_v = _mm256_set1_ps(scale);
-  // q . k for 8 heads of one slot at a time, as 8 accumulators summed in one step; heads past
-  // the last (padding) repeat it and are never read.
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.k, seq.table, t + kPrefetchSlots), pool.row_bytes());
-    const KV* k_row = pool.slot(pool.k, seq.table, t);
-    for (int64_t h0 = 0; h0 < padded_heads; h0 += kLanes) {
-      const float* q_head[kLanes];
-      const KV* k_head[kLanes];
-      const int64_t active = std::min(kLanes, num_heads - h0);
-      for (int64_t i = 0; i < active; ++i) {
-        q_head[i] = seq.q + (h0 + i) * head_dim;
-        k_head[i] = k_row + ((h0 + i) / pool.group) * head_dim;
-      }
-      // Padding lanes (heads past the last) score 0 and are never read: a task of 4 or 2 heads
-      // (a single stream's KV heads split between threads) computes only those.
-      __m256 dots;
-      if (active == kLanes)
-        dots = head_dots<kLanes>(q_head, k_head, head_dim);
-      else if (active == 4)
-        dots = head_dots<4>(q_head, k_head, head_dim);
-      else if (active == 2)
-        dots = head_dots<2>(q_head, k_head, head_dim);
-      else
-        dots = head_dots<kLanes>(q_head, k_head, head_dim, active);
-      _mm256_storeu_ps(scores.data() + t * padded_heads + h0, _mm256_mul_ps(dots, scale_v));
-    }
-  }
-  // Softmax numerators in place (max-subtracted); the 1 / sum is applied to the output.
-  for (int64_t h0 = 0; h0 < padded_heads; h0 += kLanes) {
-    __m256 max_v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < len; ++t) max_v = _mm256_max_ps(max_v, _mm256_loadu_ps(scores.data() + t * padded_heads + h0));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      float* s = scores.data() + t * padded_heads + h0;
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s), max_v));
-      _mm256_storeu_ps(s, e);
-      total = _mm256_add_ps(total, e);
-    }
-    _mm256_storeu_ps(inverse + h0, _mm256_div_ps(_mm256_set1_ps(1.f), total));
-  }
-  // out[h] = sum over slots of p[t, h] * v[t, h / group]; out stays in L1 across the slots.
-  std::fill(seq.out, seq.out + num_heads * head_dim, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchSlots < len) prefetch_row(pool.slot(pool.v, seq.table, t + kPrefetchSlots), pool.row_bytes());
-    const KV* v_row = pool.slot(pool.v, seq.table, t);
-    const float* p = scores.data() + t * padded_heads;
+  // Eight keys at a time, across blocks: their rows, then every head's eight dots.
+  const KV* rows[kLanes];
+  int64_t filled = 0, first_key = 0;
+  auto score_keys = [&] {
+    for (int64_t j = filled; j < kLanes; ++j) rows[j] = rows[filled - 1];  // padding: read, never kept
     for (int64_t h = 0; h < num_heads; ++h) {
-      const __m256 weight = _mm256_broadcast_ss(p + h);
-      const KV* v_head = v_row + (h / pool.group) * head_dim;
-      float* o = seq.out + h * head_dim;
-      for (int64_t d = 0; d < head_dim; d += kLanes)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(weight, load8(v_head + d), _mm256_loadu_ps(o + d)));
+      const int64_t head_offset = (h / group) * head_dim;
+      const KV* head_rows[kLanes];
+#pragma GCC unroll 8
+      for (int j = 0; j < kLanes; ++j) head_rows[j] = rows[j] + head_offset;
+      _mm256_storeu_ps(scores.data() + h * padded_len + first_key,
+                       _mm256_mul_ps(eight_dots(seq.q + h * head_dim, head_rows, head_dim), scale_v));
     }
-  }
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const __m256 inv = _mm256_set1_ps(inverse[h]);
-    float* o = seq.out + h * head_dim;
-    for (int64_t d = 0; d < head_dim; d += kLanes) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
-  }
+    first_key += kLanes;
+    filled = 0;
+  };
+  pool.for_each_block(pool.k, seq.table, len, [&](int64_t, const KV* base, int64_t count, const KV* next) {
+    // The next block's rows, asked for while this one is scored: blocks lie scattered over the
+    // pool, where the hardware prefetcher stops.
+    if (next != nullptr)
+      for (int64_t s = 0; s < std::min(count, kPrefetchSlots); ++s)
+        prefetch_row(next + s * pool.slot_stride, pool.row_bytes());
+    for (int64_t s = 0; s < count; ++s) {
+      if (s + kPrefetchSlots < count) prefetch_row(base + (s + kPrefetchSlots) * pool.slot_stride, pool.row_bytes());
+      rows[filled++] = base + s * pool.slot_stride;
+      if (filled == kLanes) score_keys();
+    }
+  });
+  if (filled > 0) score_keys();
+  for (int64_t h = 0; h < num_heads; ++h) softmax_in_place(scores.data() + h * padded_len, len);
+  // out[h] = sum over slots of p[h, t] * v[t, h / group], block by block, 64 dims at a time.
+  constexpr int64_t kChunk = 8 * kLanes;
+  pool.for_each_block(pool.v, seq.table, len, [&](int64_t t0, const KV* base, int64_t count, const KV* next) {
+    if (next != nullptr)
+      for (int64_t s = 0; s < std::min(count, kPrefetchSlots); ++s)
+        prefetch_row(next + s * pool.slot_stride, pool.row_bytes());
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const KV* v_head = base + (h / group) * head_dim;
+      const float* p = scores.data() + h * padded_len + t0;
+      for (int64_t c0 = 0; c0 < head_dim; c0 += kChunk)
+        value_chunks<8>(std::min(kChunk, head_dim - c0) / kLanes, p, v_head + c0, pool.slot_stride, count,
+                        seq.out + h * head_dim + c0, t0 == 0);
+    }
+  });
 }
 #endif
 
@@ -147,11 +193,10 @@ template <typename KV>
 void attend_portable(const SequenceView& seq, const PoolView<KV>& pool, float scale, std::vector<float>& scores) {
   const int64_t num_heads = pool.num_heads, head_dim = pool.head_dim, len = seq.len;
   scores.resize(num_heads * len);
-  for (int64_t t = 0; t < len; ++t) {
-    const KV* k_row = pool.slot(pool.k, seq.table, t);
+  pool.for_each_row(pool.k, seq.table, len, [&](int64_t t, const KV* k_row) {
     for (int64_t h = 0; h < num_heads; ++h)
       scores[h * len + t] = dot(seq.q + h * head_dim, k_row + (h / pool.group) * head_dim, head_dim) * scale;
-  }
+  });
   for (int64_t h = 0; h < num_heads; ++h) {
     float* s = scores.data() + h * len;
     const float max_score = *std::max_element(s, s + len);
@@ -160,8 +205,7 @@ void attend_portable(const SequenceView& seq, const PoolView<KV>& pool, float sc
     for (int64_t t = 0; t < len; ++t) s[t] /= total;
   }
   std::fill(seq.out, seq.out + num_heads * head_dim, 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const KV* v_row = pool.slot(pool.v, seq.table, t);
+  pool.for_each_row(pool.v, seq.table, len, [&](int64_t t, const KV* v_row) {
     for (int64_t h = 0; h < num_heads; ++h) {
       const float p = scores[h * len + t];
       const KV* v_head = v_row + (h / pool.group) * head_dim;
@@ -169,7 +213,7 @@ void attend_portable(const SequenceView& seq, const PoolView<KV>& pool, float sc
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) o[d] += p * static_cast<float>(v_head[d]);
     }
-  }
+  });
 }
 
 }  // namespace
