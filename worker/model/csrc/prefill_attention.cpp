@@ -96,33 +96,6 @@ inline void value_block(const TileRows& rows, const float* p, int64_t p_stride, 
   }
 }
 
-// Softmax of row i over its visible keys, in place; zeros from there to the tile's limit.
-inline void softmax_row(float* s, int64_t limit, int64_t tile_limit) {
-  __m256 max_v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + kLanes <= limit; t += kLanes) max_v = _mm256_max_ps(max_v, _mm256_loadu_ps(s + t));
-  alignas(32) float lanes[kLanes];
-  _mm256_store_ps(lanes, max_v);
-  float max_score = *std::max_element(lanes, lanes + kLanes);
-  for (; t < limit; ++t) max_score = std::max(max_score, s[t]);
-  const __m256 max_b = _mm256_set1_ps(max_score);
-  __m256 total_v = _mm256_setzero_ps();
-  t = 0;
-  for (; t + kLanes <= limit; t += kLanes) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_b));
-    _mm256_storeu_ps(s + t, e);
-    total_v = _mm256_add_ps(total_v, e);
-  }
-  float total = horizontal_sum(total_v);
-  for (; t < limit; ++t) total += (s[t] = std::exp(s[t] - max_score));
-  const float inv = 1.f / total;
-  const __m256 inv_v = _mm256_set1_ps(inv);
-  t = 0;
-  for (; t + kLanes <= limit; t += kLanes) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv_v));
-  for (; t < limit; ++t) s[t] *= inv;
-  std::fill(s + limit, s + tile_limit, 0.f);
-}
-
 template <int MR, typename KV>
 void attend_tile(const TileRows& rows, const Sequence& seq, const Shapes& shapes, int64_t kv_head,
                  const KV* v_pool, std::vector<float>& scores) {
@@ -134,7 +107,12 @@ void attend_tile(const TileRows& rows, const Sequence& seq, const Shapes& shapes
   for (int64_t p = 0; p < panels; ++p)
     score_panel<MR>(rows, k_panels + p * panel_floats, shapes.head_dim, shapes.scale, scores.data(), s_stride,
                     p * kKeys);
-  for (int i = 0; i < MR; ++i) softmax_row(scores.data() + i * s_stride, rows.limit[i], rows.max_limit);
+  // Each row over its visible keys; zeros from there to the tile's limit.
+  for (int i = 0; i < MR; ++i) {
+    float* s = scores.data() + i * s_stride;
+    softmax_in_place(s, rows.limit[i]);
+    std::fill(s + rows.limit[i], s + rows.max_limit, 0.f);
+  }
   for (int64_t c0 = 0; c0 < shapes.head_dim; c0 += kKeys)
     value_block<MR>(rows, scores.data(), s_stride, v_pool, seq.slots, shapes.slot_stride,
                     kv_head * shapes.head_dim, c0);

@@ -7,9 +7,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -183,5 +185,27 @@ inline __m256 exp8(__m256 x) {
   // 2^n built from its exponent bits: (n + 127) << 23.
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// Softmax of s[0 .. len) in place, each value divided by the sum (so P V needs no final scaling).
+inline void softmax_in_place(float* s, int64_t len) {
+  __m256 max_v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kLanes <= len; t += kLanes) max_v = _mm256_max_ps(max_v, _mm256_loadu_ps(s + t));
+  float max_score = horizontal_max(max_v);
+  for (; t < len; ++t) max_score = std::max(max_score, s[t]);
+  const __m256 max_b = _mm256_set1_ps(max_score);
+  __m256 total_v = _mm256_setzero_ps();
+  for (t = 0; t + kLanes <= len; t += kLanes) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_b));
+    _mm256_storeu_ps(s + t, e);
+    total_v = _mm256_add_ps(total_v, e);
+  }
+  float total = horizontal_sum(total_v);
+  for (; t < len; ++t) total += (s[t] = std::exp(s[t] - max_score));
+  const float inverse = 1.f / total;
+  const __m256 inverse_v = _mm256_set1_ps(inverse);
+  for (t = 0; t + kLanes <= len; t += kLanes) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inverse_v));
+  for (; t < len; ++t) s[t] *= inverse;
 }
 #endif
