@@ -175,18 +175,20 @@ def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     (32, 8, 128),  # Llama 3 8B
     (4, 4, 12),  # head_dim not a multiple of 8: the portable path
 ])
-@pytest.mark.parametrize("lens, threads", [
-    ([1, 7, 16, 17, 100, 300], 2),  # a task per sequence
-    ([300], 2),  # fewer sequences than threads: each split over ranges of KV heads
-    ([300], 3),  # uneven ranges: 4 KV heads as 1 + 1 + 2, 8 as 2 + 3 + 3
+@pytest.mark.parametrize("lens, threads, block_size", [
+    ([1, 7, 16, 17, 100, 300], 2, 16),  # a task per sequence
+    ([300], 2, 16),  # fewer sequences than threads: each split over ranges of KV heads
+    ([300], 3, 16),  # uneven ranges: 4 KV heads as 1 + 1 + 2, 8 as 2 + 3 + 3
+    ([3, 8, 9, 41], 2, 5),  # blocks smaller than the eight keys scored at a time
 ])
-def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, lens, threads):
+def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, lens, threads,
+                                                       block_size):
     from worker.model.attention import paged_attention_reference
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
     q, k_cache, v_cache, meta = _paged_step([1] * len(lens), [n - 1 for n in lens], num_heads, num_kv_heads,
-                                            head_dim, seed=num_heads * head_dim)
+                                            head_dim, block_size=block_size, seed=num_heads * head_dim)
     scale = head_dim ** -0.5
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -206,15 +208,16 @@ def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, 
     ([9], [300], 3),  # a verify chunk: with fewer such groups than threads, all pack, then all take tiles
     ([2], [3], 2),  # too little work to wake a second thread
 ])
+@pytest.mark.parametrize("block_size", [16, 5])  # 5: a panel's 16 keys and a transpose's 8 span blocks
 def test_prefill_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, query_lens, context_lens,
-                                                        threads):
+                                                        threads, block_size):
     from worker.model.attention import paged_attention_reference
     kernels = cpu_kernels.load()
     if kernels is None:
         pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
     assert kernels.prefill_attention_supported(head_dim) and not kernels.prefill_attention_supported(24)
     q, k_cache, v_cache, meta = _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim,
-                                            seed=head_dim)
+                                            block_size=block_size, seed=head_dim)
     meta.num_decodes = 0  # every sequence as a prompt chunk, the 1-token ones included
     scale = head_dim ** -0.5
     starts = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
