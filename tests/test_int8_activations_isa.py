@@ -109,6 +109,11 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
                     units = x[0].double().view(-1, 32).abs().amax(1).repeat_interleave(32) / (127 * 256)
                     atol = max(atol, (w.abs() @ units).max().item())
                 torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
+                if bits == 8:  # INT8 held as the float tiles' panels (widened once above 18 rows on AVX2)
+                    for group in (1, 2):  # plain, and in the pairs an AVX-512 build holds
+                        out.fill_(float("nan"))
+                        kernels.linear_small_batch_int8(x, pack_panels(qw.qweight, group), qw.scales, out)
+                        torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
 
 
 def _int4_row_tiles(kernels) -> list[str]:
