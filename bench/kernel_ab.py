@@ -72,9 +72,9 @@ def main() -> None:
     from worker.engine import Engine
     settings = next(engine for name, engine, _ in FORMATS if name == args.format)
     model_dir = Path(args.model_dir) if args.model_dir else ensure_bench_small()
+    num_kv_blocks = max(64, -(-(args.context + args.tokens + 1) // 16) + 1)
     engine = Engine.from_model_dir(model_dir, device="cpu", num_threads=args.threads, quantization_calibration="none",
-                                   num_kv_blocks=max(64, -(-(args.context + args.tokens + 1) // 16) + 1), max_num_seqs=1,
-                                   **settings)
+                                   num_kv_blocks=num_kv_blocks, max_num_seqs=1, **settings)
     if engine.runner.fast_path is None:
         raise SystemExit("this engine runs no CPU fast path: there are no kernels to swap")
     builds = {"A": cpu_kernels.load(), "B": other_build(args.other)}
@@ -89,7 +89,8 @@ def main() -> None:
             first = engine_decode_seconds(engine, prompt, 1)
             ms[side].append((engine_decode_seconds(engine, prompt, args.tokens + 1) - first) / args.tokens * 1e3)
     ratios = [a / b for a, b in zip(ms["A"], ms["B"])]
-    print(f"{args.format}, {model_dir.name}, {args.context}-token prompt, {args.rounds} rounds: A {statistics.median(ms['A']):.3f} ms a token, "
+    print(f"{args.format}, {model_dir.name}, {args.context}-token prompt, {args.rounds} rounds: "
+          f"A {statistics.median(ms['A']):.3f} ms a token, "
           f"B {statistics.median(ms['B']):.3f}; A/B per round: median {statistics.median(ratios):.3f}x "
           f"(smallest {min(ratios):.3f}x, largest {max(ratios):.3f}x)")
 

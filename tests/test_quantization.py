@@ -195,5 +195,6 @@ def test_int8_keeps_the_default_models_greedy_outputs():
     positions = sum(a == b for f, q in zip(full, quantized) for a, b in zip(f, q)) / (32 * len(prompts))
     print(f"\nINT8 on models/default: {identical}/{len(prompts)} prompts identical, {positions:.1%} of positions")
     assert identical >= 6 and positions >= 0.75
-    assert int8.quantization_report.quantized_bytes < int8.quantization_report.float_bytes / 3.5
+    # The model's float weights are held in its checkpoint's float16: INT8 is about half their bytes.
+    assert int8.quantization_report.quantized_bytes < int8.quantization_report.float_bytes / 1.9
 

@@ -4,7 +4,7 @@ says why when it declines.
 
 It computes what the modules compute (worker/model/transformer.py is the reference; the tests
 hold the two together), with the weights in the kernels' layouts: float projections as packed
-panels (float32, or bfloat16 widened in registers), quantized ones through their own
+panels (float32, or bfloat16 and float16 widened in registers), quantized ones through their own
 QuantizedLinear (by the path their plan chose). Activations are float32 whatever the weights.
 One call runs every layer of a step (csrc/decoder_layers.cpp) where every projection of the
 decoder layers is packed or quantized with our kernels as its path for the step's size (INT8

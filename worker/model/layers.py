@@ -18,7 +18,7 @@ from worker.model.config import RopeConfig
 # where, `python -m bench.kernels` measures (see docs/benchmarks.md): for a layer's weight
 # from 32 to 96 rows, for a very wide one (the LM head) up to 64 rows.
 PANEL = 16  # output features per packed panel (kPanel in csrc/linear.cpp)
-PANEL_DTYPES = (torch.float32, torch.bfloat16)  # what our packed linear kernel reads
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what our packed linear kernel reads
 WIDE_WEIGHT_RATIO = 8  # out_features / in_features at which a weight counts as wide
 WIDE_WEIGHT_TRANSPOSED_MAX_ROWS = 64
 TRANSPOSED_ROWS = range(32, 97)
@@ -71,7 +71,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear computing through `linear` above.
 
-    Its float32 or bfloat16 CPU weight may be held as packed panels instead (`release_float_weight`), the
+    Its float32, bfloat16 or float16 CPU weight may be held as packed panels instead (`release_float_weight`), the
     one copy both the modules and the CPU fast path read, so serving does not hold every weight
     twice. Reading `weight` then rebuilds a copy from the panels each time (a read-only
     view of the values, not storage to write into), and `state_dict()` still saves [N, K]."""
@@ -86,8 +86,8 @@ class Linear(nn.Linear):
 
     def release_float_weight(self, panels: torch.Tensor | None = None) -> bool:
         """Hold the weight as `panels` (packed here if not given) and drop the [N, K] copy; False
-        (and nothing changed) where the weight is already released or not float32 or bfloat16 on
-        the CPU."""
+        (and nothing changed) where the weight is already released or not float32, bfloat16 or
+        float16 on the CPU."""
         weight = self._parameters.get("weight")
         if weight is None or weight.device.type != "cpu" or weight.dtype not in PANEL_DTYPES:
             return False
@@ -109,7 +109,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight
-        # A weight stored narrower than the activations (bf16 on the CPU) is widened for the
+        # A weight stored narrower than the activations (bf16 or fp16 on the CPU) is widened for the
         # matmul: the modules are the reference, and the fast path widens in registers instead.
         return linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), self.bias, out=out)
 

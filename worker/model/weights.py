@@ -30,9 +30,9 @@ _FUSED = {
 
 
 def resolve_dtype(requested: str | torch.dtype | None, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """The dtype weights are stored in, unless asked: on the CPU bfloat16 for a bf16 checkpoint
-    (computed in float32, so nothing is lost against it, and half the bytes to read), else
-    float32; on CUDA the checkpoint's half type, else bfloat16."""
+    """The dtype weights are stored in, unless asked: on the CPU the checkpoint's half type for a
+    bf16 or fp16 checkpoint (computed in float32, so nothing is lost against it, and half the bytes
+    to read), else float32; on CUDA the checkpoint's half type, else bfloat16."""
     if isinstance(requested, torch.dtype):
         return requested
     if requested not in (None, "auto"):
@@ -41,15 +41,15 @@ def resolve_dtype(requested: str | torch.dtype | None, device: torch.device, con
             raise ValueError(f"unsupported dtype {requested!r}; use float32, bfloat16 or float16")
         return dtype
     if device.type == "cpu":
-        return torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.dtype, torch.float32)
     return torch.float16 if config.dtype == "float16" else torch.bfloat16
 
 
 def compute_dtype_for(storage: torch.dtype, device: torch.device) -> torch.dtype:
-    """What a model whose weights are stored in `storage` computes in: float32 for bfloat16
-    weights on the CPU (our kernels widen them in registers; bf16 arithmetic is slow there and
-    rounds every activation), else the storage dtype."""
-    return torch.float32 if device.type == "cpu" and storage == torch.bfloat16 else storage
+    """What a model whose weights are stored in `storage` computes in: float32 for bfloat16 and
+    float16 weights on the CPU (our kernels widen them in registers; half-precision arithmetic is
+    slow there and rounds every activation), else the storage dtype."""
+    return torch.float32 if device.type == "cpu" and storage in (torch.bfloat16, torch.float16) else storage
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

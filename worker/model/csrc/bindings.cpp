@@ -18,7 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");
   m.def("head_rms_norm", &head_rms_norm, "per-head RMSNorm of the q and k heads in place in qkv (CPU, float32)");
-  m.def("linear_packed", &linear_packed, "out = x @ weight.T with the weight in 16-feature panels, float32 or bfloat16 (CPU, float32 x and out)");
+  m.def("linear_packed", &linear_packed,
+        "out = x @ weight.T with the weight in 16-feature panels, float32, bfloat16 or float16 (CPU, float32 x and out)");
   m.def("linear_small_batch_int8", &linear_small_batch_int8, "out = x @ dequant(int8 weight).T for few rows");
   m.def("int8_weight_panel_group", &int8_weight_panel_group,
         "weight-only INT8 panels per interleaved group the int8 panel kernels read best (1: plain panels)");

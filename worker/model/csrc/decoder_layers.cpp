@@ -7,7 +7,7 @@
 // rotary embedding and decode attention take raw rows, their arguments checked once per call: a
 // tensor op there pays for the caches the weights just streamed through. Qwen3's per-head q/k norms
 // run in place in qkv, before the rotary embedding. A projection is a float one (packed panels,
-// float32 or bfloat16) or a quantized one (INT8 per channel, INT4 per group), told apart by its
+// float32, bfloat16 or float16) or a quantized one (INT8 per channel, INT4 per group), told apart by its
 // weight's dtype and layout, each through the kernel its layer-by-layer route takes: weight-only
 // (linear.cpp) for row-major weights and INT8's panels, int8 activations for their
 // own panels (linear_int8_activations.cpp).
@@ -21,7 +21,7 @@
 namespace {
 
 // Per projection, in the order the Python side lists them (LayerWeights.one_call_tensors): the
-// weight (float32 or bfloat16 panels; int8 [N, K], [P, K, 16] panels or [G, K, 2, 16] grouped
+// weight (float32, bfloat16 or float16 panels; int8 [N, K], [P, K, 16] panels or [G, K, 2, 16] grouped
 // ones, uint8 [N, K/2], or either as int8-activation panels, 3-D [T, U, 64] or 4-D [P, U, 16,
 // 64]), its scales and zeros (quantized
 // only; zeros INT4 only), the input scale x is multiplied by first (quantized only, optional)
@@ -42,10 +42,15 @@ enum LayerTensor {
 
 using LayerTensors = std::vector<std::optional<at::Tensor>>;
 
+// Float weights held as packed panels: float32, or bfloat16 / float16 widened as they are read.
+bool is_float_panels(const at::Tensor& weight) {
+  return weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16 || weight.dtype() == at::kHalf;
+}
+
 bool valid_projection(const LayerTensors& layer, int first) {
   const auto& weight = layer[first + kWeight];
   if (!weight) return false;
-  if (weight->dtype() == at::kFloat || weight->dtype() == at::kBFloat16)
+  if (is_float_panels(*weight))
     return !layer[first + kScales] && !layer[first + kInputScale];
   if (weight->dtype() == at::kChar) return layer[first + kScales].has_value() && !layer[first + kZeros];
   if (weight->dtype() == at::kByte) return layer[first + kScales].has_value() && layer[first + kZeros].has_value();
@@ -56,7 +61,7 @@ bool valid_projection(const LayerTensors& layer, int first) {
 // int8-activation panels quantizes x per 32-block first.
 void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tensor out) {
   const at::Tensor& weight = *layer[first + kWeight];
-  if (weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16) {
+  if (is_float_panels(weight)) {
     linear_packed(x, weight, out);
   } else {
     const auto& input_scale = layer[first + kInputScale];
@@ -83,25 +88,32 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
   if (const auto& bias = layer[first + kBias]) out.add_(*bias);
 }
 
-// Row ids[t] of the [V, hidden] table, widened to float32 where it is bfloat16.
+// Row ids[t] of the [V, hidden] table, widened to float32 where it is bfloat16 or float16.
 at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& embedding) {
   TORCH_CHECK(input_ids.dtype() == at::kLong && input_ids.dim() == 1 && input_ids.is_contiguous(),
               "input_ids: contiguous int64 [T]");
-  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() &&
-              (embedding.dtype() == at::kFloat || embedding.dtype() == at::kBFloat16),
-              "embedding: a contiguous float32 or bfloat16 [V, hidden] table");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && is_float_panels(embedding),
+              "embedding: a contiguous float32, bfloat16 or float16 [V, hidden] table");
   const int64_t tokens = input_ids.size(0), vocab = embedding.size(0), hidden = embedding.size(1);
   const int64_t* ids = input_ids.data_ptr<int64_t>();
   at::Tensor x = embedding.new_empty({tokens, hidden}, at::kFloat);
   float* out = x.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " outside the vocabulary of ", vocab);
-    if (embedding.dtype() == at::kFloat) {
-      std::memcpy(out + t * hidden, embedding.data_ptr<float>() + ids[t] * hidden, hidden * sizeof(float));
-    } else {
-      const c10::BFloat16* row = embedding.data_ptr<c10::BFloat16>() + ids[t] * hidden;
+  auto widen_rows = [&](auto zero) {
+    using T = decltype(zero);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* row = embedding.data_ptr<T>() + ids[t] * hidden;
       for (int64_t i = 0; i < hidden; ++i) out[t * hidden + i] = static_cast<float>(row[i]);
     }
+  };
+  if (embedding.dtype() == at::kFloat) {
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(out + t * hidden, embedding.data_ptr<float>() + ids[t] * hidden, hidden * sizeof(float));
+  } else if (embedding.dtype() == at::kBFloat16) {
+    widen_rows(c10::BFloat16{});
+  } else {
+    widen_rows(c10::Half{});
   }
   return x;
 }

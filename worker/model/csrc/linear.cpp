@@ -58,11 +58,12 @@ inline bool fills_by_bytes(int64_t in_features) {
 }
 }  // namespace
 
-// x [M, K] float32, packed [P, K, kPanel] float32 or bfloat16 (pack_panels in
+// x [M, K] float32, packed [P, K, kPanel] float32, bfloat16 or float16 (pack_panels in
 // worker/model/layers.py) -> out [M, N] float32.
 void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
   TORCH_CHECK(x.dtype() == at::kFloat, "x: float32");
-  TORCH_CHECK(packed.dtype() == at::kFloat || packed.dtype() == at::kBFloat16, "packed: float32 or bfloat16 panels");
+  TORCH_CHECK(packed.dtype() == at::kFloat || packed.dtype() == at::kBFloat16 || packed.dtype() == at::kHalf,
+              "packed: float32, bfloat16 or float16 panels");
   x = x.contiguous();
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
               packed.is_contiguous(), "packed must be a contiguous [P, K, 16] tensor matching x [M, K]");
@@ -74,8 +75,11 @@ void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
   if (packed.dtype() == at::kFloat)
     linear_panels(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), rows, in_features,
                   out_features, packed.size(0));
-  else
+  else if (packed.dtype() == at::kBFloat16)
     linear_panels(x.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), out.data_ptr<float>(), rows, in_features,
+                  out_features, packed.size(0));
+  else
+    linear_panels(x.data_ptr<float>(), packed.data_ptr<at::Half>(), out.data_ptr<float>(), rows, in_features,
                   out_features, packed.size(0));
 }
 

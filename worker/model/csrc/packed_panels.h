@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -78,6 +79,18 @@ inline void load_panel_row(const at::BFloat16* row, __m256& lo, __m256& hi) {
   hi = widen_bf16(_mm256_extracti128_si256(bits, 1));
 }
 
+inline void load_panel_row(const at::Half* row, __m256& lo, __m256& hi) {
+#ifdef __F16C__
+  lo = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(row)));
+  hi = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(row + 8)));
+#else
+  alignas(32) float lanes[kPanel];
+  for (int64_t j = 0; j < kPanel; ++j) lanes[j] = static_cast<float>(row[j]);
+  lo = _mm256_load_ps(lanes);
+  hi = _mm256_load_ps(lanes + 8);
+#endif
+}
+
 inline void load_panel_row(const int8_t* row, __m256& lo, __m256& hi) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
   lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -92,6 +105,10 @@ inline __m512 load_panel_row(const float* row) { return _mm512_loadu_ps(row); }
 inline __m512 load_panel_row(const at::BFloat16* row) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load_panel_row(const at::Half* row) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
 }
 
 inline __m512 load_panel_row(const int8_t* row) {
@@ -325,7 +342,8 @@ constexpr bool kWholeTilesOverPairs = kSmallPairMaxRows > 0 && std::is_same_v<W,
 template <typename W>
 constexpr bool kQuadFor = std::is_same_v<W, int8_t>
 #ifndef HAVE_AVX512_PANELS
-                          || std::is_same_v<W, at::BFloat16> || std::is_same_v<W, float>
+                          || std::is_same_v<W, at::BFloat16> || std::is_same_v<W, at::Half>
+                          || std::is_same_v<W, float>
 #endif
     ;
 
