@@ -42,8 +42,9 @@ def device_type(name: str) -> str | None:
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
-    # "": on the CPU bfloat16 for a bf16 checkpoint, else float32; on CUDA the checkpoint's half
-    # type. bfloat16 on the CPU stores the weights in bf16 and computes in float32.
+    # "": on the CPU the checkpoint's half type for a bf16 or fp16 checkpoint, else float32; on CUDA
+    # the checkpoint's half type. bfloat16 or float16 on the CPU stores the weights so and computes in
+    # float32.
     dtype: str = ""
     num_threads: int = 0  # torch CPU threads; 0 leaves torch's default (the worker process sets it)
     block_size: int = 16

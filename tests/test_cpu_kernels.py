@@ -173,6 +173,8 @@ def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     (8, 4, 64),  # bench-small
     (14, 2, 64),  # heads not a multiple of the vector width (Qwen2-0.5B)
     (32, 8, 128),  # Llama 3 8B
+    (6, 6, 80),  # head_dim not a multiple of 64: P V's last chunk of 16 dims
+    (7, 1, 96),  # one KV head for 7 query heads; a last chunk of 32 dims
     (4, 4, 12),  # head_dim not a multiple of 8: the portable path
 ])
 @pytest.mark.parametrize("lens, threads, block_size", [
@@ -180,6 +182,7 @@ def _paged_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, blo
     ([300], 2, 16),  # fewer sequences than threads: each split over ranges of KV heads
     ([300], 3, 16),  # uneven ranges: 4 KV heads as 1 + 1 + 2, 8 as 2 + 3 + 3
     ([3, 8, 9, 41], 2, 5),  # blocks smaller than the eight keys scored at a time
+    ([41], 3, 5),  # both: KV heads split between threads over blocks of 5
 ])
 def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, lens, threads,
                                                        block_size):
@@ -203,10 +206,11 @@ def test_decode_attention_kernel_matches_the_reference(num_heads, num_kv_heads, 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(8, 4, 64), (14, 2, 64), (32, 8, 128), (6, 6, 80)])
 @pytest.mark.parametrize("query_lens, context_lens, threads", [
     # fresh prompts, chunks after cached context (block-aligned or not), one-token chunks, long ones:
-    # a thread packs a (sequence, KV head)'s K and attends its tiles
+    # (sequence, KV head) groups far from even, so every thread packs, then takes tiles
     ([1, 5, 37, 16, 1, 130, 3], [0, 0, 0, 16, 40, 21, 300], 2),
-    ([9], [300], 3),  # a verify chunk: with fewer such groups than threads, all pack, then all take tiles
-    ([2], [3], 2),  # too little work to wake a second thread
+    ([37], [100], 2),  # one chunk: its KV heads share out evenly, a thread packs each and attends its tiles
+    ([9], [300], 3),  # a verify chunk over 3 threads: by group for 6 KV heads, else packed by all, then tiles
+    ([2], [3], 2),  # a short chunk: under the threshold on one thread (8 and 6 query heads)
 ])
 @pytest.mark.parametrize("block_size", [16, 5])  # 5: a panel's 16 keys and a transpose's 8 span blocks
 def test_prefill_attention_kernel_matches_the_reference(num_heads, num_kv_heads, head_dim, query_lens, context_lens,
@@ -247,7 +251,7 @@ def test_argmax_kernel_matches_torch_including_ties(vocab):
     assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_row_of_x_gets_the_same_bits_alone_as_in_any_batch(dtype):
     """Batch invariance of the packed-panel linear: every tile shape (one row over four panels on
     AVX2, two for 2-3 rows, one or two for more; on AVX2 whole 6-row tiles over a pair of panels and
@@ -270,11 +274,11 @@ def test_a_row_of_x_gets_the_same_bits_alone_as_in_any_batch(dtype):
 
 
 def test_a_call_of_no_rows_writes_nothing_and_returns():
-    """An empty batch through every panel route (float32, bfloat16, INT8 held as panels): no tile to
+    """An empty batch through every panel route (float32, bfloat16, float16, INT8 held as panels): no tile to
     split the rows into, so nothing runs (it once divided by the zero tiles)."""
     kernels = cpu_kernels.load()
     weight = torch.randn(40, 16)
-    for panels in (pack_panels(weight), pack_panels(weight.to(torch.bfloat16))):
+    for panels in (pack_panels(weight), pack_panels(weight.to(torch.bfloat16)), pack_panels(weight.half())):
         out = torch.empty(0, 40)
         kernels.linear_packed(torch.empty(0, 16), panels, out)
         assert out.shape == (0, 40)

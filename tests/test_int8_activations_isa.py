@@ -2,7 +2,8 @@
 its output-major kernel natively; a CPU without AVX-512 runs the AVX2 tiles, and one without AVX2 the
 portable loop. Each is built here with the wider instructions turned off and held to the same
 float64 statement of the arithmetic as the native build (tests/test_int8_activations.py). The
-weight-only INT8 / INT4 kernels of the same builds are held to their dequantized product."""
+weight-only INT8 / INT4 kernels of the same builds are held to their dequantized product, and
+their half-precision float panels to float32 panels of the same values."""
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_weights_int8_activations", &linear_int8_weights_int8_activations);
   m.def("linear_int4_weights_int8_activations", &linear_int4_weights_int8_activations);
   m.def("int4_row_kernel", &int4_row_kernel);
+  m.def("linear_packed", &linear_packed);
 }
 """
 _KERNEL_SOURCES = ("linear.cpp", "linear_int8_activations.cpp")
@@ -114,6 +116,20 @@ def test_each_instruction_set_path_computes_the_int8_rounded_product(build, tmp_
                         out.fill_(float("nan"))
                         kernels.linear_small_batch_int8(x, pack_panels(qw.qweight, group), qw.scales, out)
                         torch.testing.assert_close(out.double(), want, rtol=0, atol=atol)
+
+
+    # Float panels: half ones (widened in registers, or on AVX2 above 18 rows into a float32 copy)
+    # give what float32 panels of the same values give, bit for bit.
+    g = torch.Generator().manual_seed(11)
+    for half in (torch.bfloat16, torch.float16):
+        weight = torch.randn(37, 96, generator=g).to(half)
+        for rows in (1, 3, 7, 19, 40):
+            x = torch.randn(rows, 96, generator=g)
+            got, want = torch.empty(rows, 37), torch.empty(rows, 37)
+            kernels.linear_packed(x, pack_panels(weight), got)
+            kernels.linear_packed(x, pack_panels(weight.float()), want)
+            assert torch.equal(got, want), (half, rows)
+            torch.testing.assert_close(got, x @ weight.float().t(), rtol=1e-5, atol=1e-5)
 
 
 def _int4_row_tiles(kernels) -> list[str]:

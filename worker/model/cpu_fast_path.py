@@ -220,7 +220,7 @@ class CpuFastPath:
                 meta.seq_lens, chunk_starts, meta.num_decodes, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.intermediate_size, self.scale, self.eps)
         x = F.embedding(input_ids, self.embedding)  # [T, hidden]
-        if x.dtype != torch.float32:  # a bf16 table's rows widened; a float32 one's taken as they are
+        if x.dtype != torch.float32:  # a half table's rows widened; a float32 one's taken as they are
             x = x.float()
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] each
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

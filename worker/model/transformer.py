@@ -118,8 +118,8 @@ class Transformer(nn.Module):
 
     def store_weights_in(self, dtype: torch.dtype) -> None:
         """Hold the embedding and every float projection's weight (the head's too) in `dtype`,
-        leaving norms, biases and the activations in the dtype the model was built in: bfloat16
-        weights on the CPU, read as bf16 and widened to float32 where they are used. Call before
+        leaving norms, biases and the activations in the dtype the model was built in: bfloat16 or
+        float16 weights on the CPU, read as such and widened to float32 where they are used. Call before
         the weights are materialized or loaded (the loader copies into each parameter's dtype)."""
         for module in [self.embed_tokens, *(m for m in self.modules() if isinstance(m, Linear))]:
             module.weight.data = module.weight.data.to(dtype)

@@ -216,6 +216,8 @@ DecodeAttentionPlan plan_decode_attention(const at::Tensor& block_tables, const 
   plan.order.resize(plan.num_seqs);
   std::iota(plan.order.begin(), plan.order.end(), 0);
   const int64_t* lens = plan.lens;
+  for (int64_t b = 0; b < plan.num_seqs; ++b)
+    TORCH_CHECK(lens[b] >= 1, "paged_decode_attention: every sequence holds at least its new token");
   std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
   return plan;
 }

@@ -19,9 +19,9 @@
 
 // Packed-panel linear: y = x W^T with W stored as panels of kPanel output features,
 // packed [ceil(N / kPanel), K, kPanel] (zero padded), so that for each k the panel's kPanel
-// weights are one contiguous row (64 bytes in float32, 32 in bfloat16, 16 in int8). A register tile of up
-// to kPanelRows rows of x times one panel keeps 2 x kPanelRows AVX2 accumulators over the whole
-// of K: each step loads two weight vectors (bf16 widened to float32 in registers, so the
+// weights are one contiguous row (64 bytes in float32, 32 in bfloat16 or float16, 16 in int8). A register
+// tile of up to kPanelRows rows of x times one panel keeps 2 x kPanelRows AVX2 accumulators over the whole
+// of K: each step loads two weight vectors (bf16 and fp16 widened to float32 in registers, so the
 // arithmetic is float32 either way), broadcasts one x value per row and issues two FMAs per
 // row (an int8 panel row is widened the same way, its scales applied to the sums). The panel
 // stays in L1/L2 while every row tile of x passes over it, so the weight is read
@@ -45,10 +45,10 @@ constexpr int kPanelPair = 1;
 // for 2-3 rows, one for 4-6 and, beyond a tile's rows, pairs in whole tiles (whole_tiles_over_pair).
 constexpr int64_t kFloatPairsFromRows = 12;
 constexpr int64_t kPrefetchMaxRows = 64;
-// A single row of float32 or bfloat16 panels on AVX2 builds streams faster on the hardware
+// A single row of float32 or half (bfloat16, float16) panels on AVX2 builds streams faster on the hardware
 // prefetchers alone (little arithmetic a byte to hide a prefetch's load slot behind), and so do
 // 2-3 rows of float32 panels (much faster where the weight is in L2 or L3, the same from memory):
-// docs/benchmarks.md has the measurement. Beyond those rows (2-3 rows of bfloat16 panels
+// docs/benchmarks.md has the measurement. Beyond those rows (2-3 rows of half panels
 // streamed from memory lose 15% without it), for int8 panels (no faster without it), and on
 // AVX-512 builds, the prefetch stays.
 #ifdef HAVE_AVX512_PANELS
@@ -56,7 +56,7 @@ constexpr bool kPrefetchFewFloatRows = true;
 #else
 constexpr bool kPrefetchFewFloatRows = false;
 #endif
-// bf16 panels are widened once into float32 above this many rows: on AVX2 widening in registers,
+// Half panels are widened once into float32 above this many rows: on AVX2 widening in registers,
 // per 6-row tile, bounds the tile; a 12-row AVX-512 tile widens 16 weights in 2 instructions for
 // 12 FMAs, and was no slower than the widened copy at any row count measured.
 #ifdef HAVE_AVX512_PANELS
@@ -263,7 +263,7 @@ inline float* aligned_floats(std::vector<float>& storage, int64_t count) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
 }
 
-// A bfloat16 or int8 panel (one of a group of kGroup) widened to float32 into `buffer` (32-byte
+// A half (bfloat16, float16) or int8 panel (one of a group of kGroup) widened to float32 into `buffer` (32-byte
 // aligned, in_features * kPanel floats).
 template <int kGroup, typename W>
 inline void widen_panel(const W* panel, int64_t in_features, float* buffer) {
@@ -309,7 +309,7 @@ struct PanelRun {
   int64_t count, last_width;
 };
 
-// Int8 calls (and bfloat16 and float32 ones on AVX2) of up to kQuadMaxRows rows take four panels
+// Int8 calls (and half and float32 ones on AVX2) of up to kQuadMaxRows rows take four panels
 // a tile: a row's tile has one FMA chain per panel (AVX-512; two on AVX2), and the latency of so
 // few chains bounds the tile once the weight is in cache or memory is fast (on AVX2 even a float32
 // stream from memory: docs/benchmarks.md). Each output lane still sums its products in k order,
@@ -441,7 +441,7 @@ void linear_panels(const float* x_ptr, const W* p_ptr, float* out_ptr, int64_t r
                                      : std::is_same_v<W, int8_t> ? 0
                                                                  : 1;
   const bool prefetch = rows > kUnfetchedRows && rows <= kPrefetchMaxRows;
-  // A bfloat16 or int8 panel that several row tiles pass over is widened once into a float32
+  // A half or int8 panel that several row tiles pass over is widened once into a float32
   // copy that stays in L2, rather than once per row tile in registers: the widening, not the
   // FMAs, bounds a tile on AVX2. The float32 copy holds the same values, so the result is the same.
   constexpr bool kWidenable = !std::is_same_v<W, float>;

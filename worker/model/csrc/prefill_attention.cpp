@@ -219,24 +219,34 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   std::iota(groups.begin(), groups.end(), 0);
   std::stable_sort(groups.begin(), groups.end(),
                    [&](int64_t a, int64_t b) { return lens[a / num_kv_heads] > lens[b / num_kv_heads]; });
+  // The tiles' float operations, per sequence's group and in all: a step too small to wake the
+  // other threads for runs on this one.
+  int64_t work = 0, largest = 0, num_tiles = 0;
+  for (const Sequence& seq : seqs) {
+    const int64_t group_work = seq.q_len * shapes.group * seq.len() * 4 * head_dim;
+    work += group_work * num_kv_heads;
+    largest = std::max(largest, group_work);
+    num_tiles += num_kv_heads * ((seq.q_len * shapes.group + kTileRows - 1) / kTileRows);
+  }
+  const int64_t threads =
+      work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  // Where the groups share out evenly (a whole number each, none much larger than the rest: one
+  // chunk's KV heads), a thread packs a group's K and attends all its tiles, so the panels never
+  // move between cores' caches; otherwise every thread packs, then takes tiles as they come.
+  const int64_t per_thread = (num_groups + threads - 1) / threads;
+  const bool by_group = num_groups % threads == 0 && largest * per_thread * threads * 5 <= work * 6;
   // Work items: (group, tile of rows), longest rows first (a late tile sees the most keys).
   struct Item { int64_t seq, kv_head, row0; };
   std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t g = 0; g < num_kv_heads; ++g)
-      for (int64_t r = 0; r < seqs[s].q_len * shapes.group; r += kTileRows) items.push_back({s, g, r});
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return seqs[a.seq].ctx + a.row0 / shapes.group > seqs[b.seq].ctx + b.row0 / shapes.group;
-  });
+  if (!by_group) {
+    for (int64_t s = 0; s < num_seqs; ++s)
+      for (int64_t g = 0; g < num_kv_heads; ++g)
+        for (int64_t r = 0; r < seqs[s].q_len * shapes.group; r += kTileRows) items.push_back({s, g, r});
+    std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+      return seqs[a.seq].ctx + a.row0 / shapes.group > seqs[b.seq].ctx + b.row0 / shapes.group;
+    });
+  }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  // The tiles' float operations: a step too small to wake the other threads for runs on this one.
-  int64_t work = 0;
-  for (const Sequence& seq : seqs) work += seq.q_len * num_heads * seq.len() * 4 * head_dim;
-  const int64_t threads =
-      work < kMinParallelWork ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  // With a group for every thread, a thread packs a group's K and attends all its tiles, so the
-  // panels never move between cores' caches; with fewer, every thread packs, then takes tiles.
-  const bool by_group = num_groups >= threads;
   const float* q_ptr = q.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   with_kv_type(k_cache, v_cache, "paged_prefill_attention", [&](auto zero) {
