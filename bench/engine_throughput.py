@@ -215,14 +215,17 @@ def main(argv=None) -> int:
     mm = max((m for m, _ in bounds_rounds), key=lambda m: m["gflops"])
     copy_gbps = max(c for _, c in bounds_rounds)
     compute_bound_s = flops["total"] / (mm["gflops"] * 1e9)
-    decode_bytes = hw.decode_bytes_per_token(shape)
+    # A half checkpoint (--model-dir) is held in its own type: its step reads 2 bytes a weight.
+    weight_dtype = engine.model.embed_tokens.weight.dtype if engine is not None else torch.float32
+    decode_bytes = hw.decode_bytes_per_token(shape, weight_dtype.itemsize)
     decode_bound_tps = copy_gbps * 1e9 / decode_bytes
 
     # (c) against the rate measured around its own runs (see engine_runs.run_throughput_paired).
     ours_bound_s = flops["total"] / (ours_gflops * 1e9) if ours_gflops else compute_bound_s
     results = collect(args, shape, spec, lengths, settings, hf_cb_tokens, mm, copy_gbps, flops, compute_bound_s,
                       decode_bytes, decode_bound_tps, static, cb, mine, hf_decode, our_decode, kv, errors,
-                      busy_before, busy_after, load, bounds_rounds, time.perf_counter() - t_start, ours_bound_s)
+                      busy_before, busy_after, load, bounds_rounds, time.perf_counter() - t_start, ours_bound_s,
+                      weight_dtype)
     print_report(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +248,7 @@ def _ratio(x, y):
 
 def collect(args, shape, spec, lengths, settings, hf_cb_tokens, mm, copy_gbps, flops, compute_bound_s, decode_bytes,
             decode_bound_tps, static, cb, mine, hf_decode, our_decode, kv: KVUsage | None, errors, busy_before,
-            busy_after, load, bounds_rounds, total_s, ours_bound_s: float) -> dict:
+            busy_after, load, bounds_rounds, total_s, ours_bound_s: float, weight_dtype: torch.dtype) -> dict:
     a, b = (_system(r, compute_bound_s) for r in (static, cb))
     c = _system(mine, ours_bound_s)
     engine_missing = errors.get("engine load") or errors.get("(c) engine throughput")
@@ -269,7 +272,7 @@ def collect(args, shape, spec, lengths, settings, hf_cb_tokens, mm, copy_gbps, f
     return {
         "model": {"params": shape.block_linear_params + 2 * shape.lm_head_params,
                   "block_linear_params": shape.block_linear_params, "lm_head_params": shape.lm_head_params,
-                  "dtype": "float32", "threads": args.threads},
+                  "dtype": str(weight_dtype).removeprefix("torch."), "threads": args.threads},
         "workload": {"quick": args.quick, "num_requests": spec.num_requests, "prompt_len_range": spec.prompt_len,
                      "output_len_range": spec.output_len, "lengths": lengths,
                      "prompt_tokens": sum(p for p, _ in lengths), "output_tokens": sum(o for _, o in lengths)},

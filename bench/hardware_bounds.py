@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-BYTES_PER_PARAM = 4  # float32 everywhere
+BYTES_PER_PARAM = 4  # float32, unless a caller says what its weights are held in
 
 # Shapes the workload actually runs: prefill chunks of a few hundred tokens through the block's projections,
 # and the LM head for a decode batch. The best of them is taken as the machine's attainable rate.
@@ -116,8 +116,8 @@ def workload_flops(shape: ModelShape, lengths: list[tuple[int, int]]) -> dict:
     return total
 
 
-def decode_bytes_per_token(shape: ModelShape) -> int:
+def decode_bytes_per_token(shape: ModelShape, bytes_per_param: int = BYTES_PER_PARAM) -> int:
     """Weight bytes streamed per decoded token at batch 1: all block linears + LM head (not the embedding table,
     of which only one row is gathered). The KV cache read is left out, which keeps this a true upper bound."""
-    return (shape.block_linear_params + shape.lm_head_params) * BYTES_PER_PARAM
+    return (shape.block_linear_params + shape.lm_head_params) * bytes_per_param
 

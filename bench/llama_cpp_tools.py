@@ -1,4 +1,4 @@
-"""llama.cpp's own benchmark tools as a baseline: a checkpoint's GGUF in f32, q8_0 and q4_0, the
+"""llama.cpp's own benchmark tools as a baseline: a checkpoint's GGUF in f32, bf16, f16, q8_0 and q4_0, the
 single-stream decode rate by `llama-bench` (tg) and the batched generation rate by
 `llama-batched-bench`. The binaries come from `shared/tools/build-llama-cpp` (bench/llama_server.py
 finds them); conversions are cached beside the checkpoint's other GGUFs in `.cache/`."""
@@ -12,7 +12,7 @@ from pathlib import Path
 from bench.checkpoints import REPO_ROOT
 from bench.llama_server import convert_to_gguf
 
-GGUF_TYPES = ("f32", "bf16", "q8_0", "q4_0")
+GGUF_TYPES = ("f32", "bf16", "f16", "q8_0", "q4_0")
 TIMEOUT_S = 3600
 
 

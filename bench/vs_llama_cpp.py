@@ -1,9 +1,9 @@
 """`python -m bench.vs_llama_cpp [--model bench-small|tinyllama-shape] [--rounds 3] [--quick]`: our
 engine against llama.cpp on the same random weights, side by side in one run.
 
-For each weight format (our float32, bfloat16, INT8 and INT4, the output head quantized too, the
-quantized ones also with int8 activations, against llama.cpp's f32, bf16, q8_0 and q4_0 of the
-same checkpoint): the single-stream decode rate (ours:
+For each weight format (our float32, bfloat16, float16, INT8 and INT4, the output head quantized
+too, the quantized ones also with int8 activations, against llama.cpp's f32, bf16, f16, q8_0 and
+q4_0 of the same checkpoint): the single-stream decode rate (ours:
 (t(n+1) - t(1)) / n; theirs: `llama-bench` tg<n>) and the batched generation rate (N sequences of
 P prompt + G new tokens; theirs: `llama-batched-bench`), each format's runs alternating ours and
 theirs, the order flipped every round, so a drifting machine hits both; medians over the rounds
@@ -39,6 +39,7 @@ DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "vs_llama_cpp.json"
 FORMATS = [
     ("float32", {}, "f32"),
     ("bfloat16", {"dtype": "bfloat16"}, "bf16"),  # the float32 weights rounded to bf16 on both sides
+    ("float16", {"dtype": "float16"}, "f16"),  # likewise to fp16
     ("int8", {"quantization": "mixed", "quantization_rule": "*:int8,head:int8"}, "q8_0"),
     ("int4", {"quantization": "mixed", "quantization_rule": "*:int4,head:int4"}, "q4_0"),
     # Activations rounded to int8 per 32-block as well: the arithmetic of llama.cpp's q8_0 / q4_0.
