@@ -56,6 +56,12 @@ struct PoolView {
         t0 + block_size < len ? pool + table[b + 1] * block_floats : nullptr);
   }
 
+  // The first min(count, kPrefetchSlots) rows of a block from `first` on, asked for into L2: blocks
+  // lie scattered over the pool, where the hardware prefetcher stops.
+  void prefetch_block(const KV* first, int64_t count) const {
+    for (int64_t s = 0; s < std::min(count, kPrefetchSlots); ++s) prefetch_row(first + s * slot_stride, row_bytes());
+  }
+
   // f(t, row) for each token t < len with its slot's row in `pool`.
   template <typename F>
   void for_each_row(const KV* pool, const int64_t* table, int64_t len, F&& f) const {
@@ -136,11 +142,7 @@ void attend_avx2(const SequenceView& seq, const PoolView<KV>& pool, float scale,
     filled = 0;
   };
   pool.for_each_block(pool.k, seq.table, len, [&](int64_t, const KV* base, int64_t count, const KV* next) {
-    // The next block's rows, asked for while this one is scored: blocks lie scattered over the
-    // pool, where the hardware prefetcher stops.
-    if (next != nullptr)
-      for (int64_t s = 0; s < std::min(count, kPrefetchSlots); ++s)
-        prefetch_row(next + s * pool.slot_stride, pool.row_bytes());
+    if (next != nullptr) pool.prefetch_block(next, count);  // while this block is scored
     for (int64_t s = 0; s < count; ++s) {
       if (s + kPrefetchSlots < count) prefetch_row(base + (s + kPrefetchSlots) * pool.slot_stride, pool.row_bytes());
       rows[filled++] = base + s * pool.slot_stride;
@@ -152,9 +154,7 @@ void attend_avx2(const SequenceView& seq, const PoolView<KV>& pool, float scale,
   // out[h] = sum over slots of p[h, t] * v[t, h / group], block by block, 64 dims at a time.
   constexpr int64_t kChunk = 8 * kLanes;
   pool.for_each_block(pool.v, seq.table, len, [&](int64_t t0, const KV* base, int64_t count, const KV* next) {
-    if (next != nullptr)
-      for (int64_t s = 0; s < std::min(count, kPrefetchSlots); ++s)
-        prefetch_row(next + s * pool.slot_stride, pool.row_bytes());
+    if (next != nullptr) pool.prefetch_block(next, count);
     for (int64_t h = 0; h < num_heads; ++h) {
       const KV* v_head = base + (h / group) * head_dim;
       const float* p = scores.data() + h * padded_len + t0;

@@ -14,7 +14,6 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -42,15 +41,10 @@ enum LayerTensor {
 
 using LayerTensors = std::vector<std::optional<at::Tensor>>;
 
-// Float weights held as packed panels: float32, or bfloat16 / float16 widened as they are read.
-bool is_float_panels(const at::Tensor& weight) {
-  return weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16 || weight.dtype() == at::kHalf;
-}
-
 bool valid_projection(const LayerTensors& layer, int first) {
   const auto& weight = layer[first + kWeight];
   if (!weight) return false;
-  if (is_float_panels(*weight))
+  if (is_float_weight(*weight))
     return !layer[first + kScales] && !layer[first + kInputScale];
   if (weight->dtype() == at::kChar) return layer[first + kScales].has_value() && !layer[first + kZeros];
   if (weight->dtype() == at::kByte) return layer[first + kScales].has_value() && layer[first + kZeros].has_value();
@@ -61,7 +55,7 @@ bool valid_projection(const LayerTensors& layer, int first) {
 // int8-activation panels quantizes x per 32-block first.
 void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tensor out) {
   const at::Tensor& weight = *layer[first + kWeight];
-  if (is_float_panels(weight)) {
+  if (is_float_weight(weight)) {
     linear_packed(x, weight, out);
   } else {
     const auto& input_scale = layer[first + kInputScale];
@@ -92,7 +86,7 @@ void project(const at::Tensor& x, const LayerTensors& layer, int first, at::Tens
 at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& embedding) {
   TORCH_CHECK(input_ids.dtype() == at::kLong && input_ids.dim() == 1 && input_ids.is_contiguous(),
               "input_ids: contiguous int64 [T]");
-  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && is_float_panels(embedding),
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && is_float_weight(embedding),
               "embedding: a contiguous float32, bfloat16 or float16 [V, hidden] table");
   const int64_t tokens = input_ids.size(0), vocab = embedding.size(0), hidden = embedding.size(1);
   const int64_t* ids = input_ids.data_ptr<int64_t>();
@@ -100,21 +94,19 @@ at::Tensor embed(const at::Tensor& input_ids, const at::Tensor& embedding) {
   float* out = x.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " outside the vocabulary of ", vocab);
-  auto widen_rows = [&](auto zero) {
+  auto copy_rows = [&](auto zero) {
     using T = decltype(zero);
     for (int64_t t = 0; t < tokens; ++t) {
       const T* row = embedding.data_ptr<T>() + ids[t] * hidden;
       for (int64_t i = 0; i < hidden; ++i) out[t * hidden + i] = static_cast<float>(row[i]);
     }
   };
-  if (embedding.dtype() == at::kFloat) {
-    for (int64_t t = 0; t < tokens; ++t)
-      std::memcpy(out + t * hidden, embedding.data_ptr<float>() + ids[t] * hidden, hidden * sizeof(float));
-  } else if (embedding.dtype() == at::kBFloat16) {
-    widen_rows(c10::BFloat16{});
-  } else {
-    widen_rows(c10::Half{});
-  }
+  if (embedding.dtype() == at::kFloat)
+    copy_rows(float{});
+  else if (embedding.dtype() == at::kBFloat16)
+    copy_rows(c10::BFloat16{});
+  else
+    copy_rows(c10::Half{});
   return x;
 }
 

@@ -12,6 +12,12 @@
 #include <string>
 #include <vector>
 
+// Float weights as the kernels read them (packed panels, the embedding table): float32, or
+// bfloat16 / float16 widened to float32 as they are read.
+inline bool is_float_weight(const at::Tensor& weight) {
+  return weight.dtype() == at::kFloat || weight.dtype() == at::kBFloat16 || weight.dtype() == at::kHalf;
+}
+
 // decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                                   at::Tensor seq_lens, double scale);

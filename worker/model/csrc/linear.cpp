@@ -62,8 +62,7 @@ inline bool fills_by_bytes(int64_t in_features) {
 // worker/model/layers.py) -> out [M, N] float32.
 void linear_packed(at::Tensor x, at::Tensor packed, at::Tensor out) {
   TORCH_CHECK(x.dtype() == at::kFloat, "x: float32");
-  TORCH_CHECK(packed.dtype() == at::kFloat || packed.dtype() == at::kBFloat16 || packed.dtype() == at::kHalf,
-              "packed: float32, bfloat16 or float16 panels");
+  TORCH_CHECK(is_float_weight(packed), "packed: float32, bfloat16 or float16 panels");
   x = x.contiguous();
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) &&
               packed.is_contiguous(), "packed must be a contiguous [P, K, 16] tensor matching x [M, K]");

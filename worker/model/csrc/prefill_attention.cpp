@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #ifdef HAVE_AVX2_FMA
@@ -213,12 +212,8 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
     seqs[s] = Sequence{starts[s], starts[s + 1] - starts[s], lens[s] - (starts[s + 1] - starts[s]),
                        packed_ptr + panel_offset[s], slots.data() + slot_offset[s]};
   }
-  // Groups: (sequence, KV head), each packed once, longest sequence first.
+  // Groups: (sequence, KV head), each packed once.
   const int64_t num_groups = num_seqs * num_kv_heads;
-  std::vector<int64_t> groups(num_groups);
-  std::iota(groups.begin(), groups.end(), 0);
-  std::stable_sort(groups.begin(), groups.end(),
-                   [&](int64_t a, int64_t b) { return lens[a / num_kv_heads] > lens[b / num_kv_heads]; });
   // The tiles' float operations, per sequence's group and in all: a step too small to wake the
   // other threads for runs on this one.
   int64_t work = 0, largest = 0, num_tiles = 0;
@@ -233,8 +228,7 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
   // Where the groups share out evenly (a whole number each, none much larger than the rest: one
   // chunk's KV heads), a thread packs a group's K and attends all its tiles, so the panels never
   // move between cores' caches; otherwise every thread packs, then takes tiles as they come.
-  const int64_t per_thread = (num_groups + threads - 1) / threads;
-  const bool by_group = num_groups % threads == 0 && largest * per_thread * threads * 5 <= work * 6;
+  const bool by_group = num_groups % threads == 0 && largest * num_groups * 5 <= work * 6;
   // Work items: (group, tile of rows), longest rows first (a late tile sees the most keys).
   struct Item { int64_t seq, kv_head, row0; };
   std::vector<Item> items;
@@ -280,15 +274,15 @@ void paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cach
       if (by_group) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < num_groups; ++n) {
-          const int64_t group = groups[n], s = group / num_kv_heads, g = group % num_kv_heads;
-          pack(group);
+          const int64_t s = n / num_kv_heads, g = n % num_kv_heads;
+          pack(n);
           // Latest rows first, as the items below.
           const int64_t last = (seqs[s].q_len * shapes.group - 1) / kTileRows * kTileRows;
           for (int64_t row0 = last; row0 >= 0; row0 -= kTileRows) attend(s, g, row0, scores);
         }
       } else {
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < num_groups; ++n) pack(groups[n]);
+        for (int64_t n = 0; n < num_groups; ++n) pack(n);
         // The loop's closing barrier: every panel is packed before any tile reads it.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < num_items; ++n) attend(items[n].seq, items[n].kv_head, items[n].row0, scores);
