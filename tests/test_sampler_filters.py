@@ -3,12 +3,10 @@ different settings per row against a plain-Python reference."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from sampler_harness import log_probs, make_batch
+from sampler_harness import log_probs, make_batch, reference_keep
 from shared.sampling_params import SamplingParams
 from worker.sampler import Sampler, apply_top_k_top_p_min_p
 
@@ -124,35 +122,6 @@ def test_min_p_uses_probabilities_after_top_k_and_top_p():
 
 
 # --------------------------------------------------------------------------------------------- combined
-
-
-def reference_keep(row: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
-    """Plain-Python float64 statement of the documented semantics."""
-    keep = set(range(len(row)))
-    if top_k > 0:
-        kth = sorted(row, reverse=True)[min(top_k, len(row)) - 1]
-        keep = {i for i in keep if row[i] >= kth}
-
-    def probs(ids):
-        top = max(row[i] for i in ids)
-        weights = {i: math.exp(row[i] - top) for i in ids}
-        total = sum(weights.values())
-        return {i: w / total for i, w in weights.items()}
-
-    if top_p < 1.0:
-        p = probs(keep)
-        chosen, cumulative = set(), 0.0
-        for i in sorted(keep, key=lambda i: (-row[i], i)):
-            if cumulative >= top_p:
-                break
-            chosen.add(i)
-            cumulative += p[i]
-        keep = chosen
-    if min_p > 0.0:
-        p = probs(keep)
-        p_max = max(p.values())
-        keep = {i for i in keep if p[i] >= min_p * p_max}
-    return keep
 
 
 def test_combined_filters_with_different_per_row_settings():

@@ -2,8 +2,8 @@
 probability p(x), a rejected position takes a token from p with x removed and renormalised, and every
 position's token is what an unspeculated step would sample there with the same seed, whatever the draft.
 
-Verification samples each draft position from the target (the Sampler's exponential race, seeded by
-(seed, output index)) and keeps the draft up to the first position where the sample differs: for a
+Verification samples each draft position from the target (the Sampler's inverse-CDF draw of one uniform,
+seeded by (seed, output index)) and keeps the draft up to the first position where the sample differs: for a
 point-mass draft this is the standard speculative-sampling rule, accept with min(1, p(x) / 1) and
 resample from norm(max(0, p - 1{x})) on rejection, and it draws the very token plain decoding would.
 Checked here on many seeded and unseeded draws with chi-square bounds (fixed seeds, so deterministic)."""

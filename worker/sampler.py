@@ -27,7 +27,9 @@ __all__ = [
     "SamplingBatch",
     "apply_repetition_penalty",
     "apply_top_k_top_p_min_p",
+    "draw_by_uniforms",
     "make_generator",
+    "sample_rows_torch",
     "token_seed",
     "top_logprobs",
 ]
@@ -107,6 +109,38 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
     return tuple(zip(candidates[order].tolist(), values[order].tolist()))
 
 
+def sample_rows_torch(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids [S] for logits x [S, V] (float, modified in place) by torch on any device: each row's
+    temperature, top-k, top-p and min-p (apply_top_k_top_p_min_p's rules), then draw_by_uniforms. Our CPU
+    kernel (sample_rows) computes the same."""
+    device = x.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [S]
+    # Shift so each row's max is 0 before dividing: softmax is unchanged, and a tiny temperature then sends
+    # the rest to -inf instead of overflowing to inf (inf - inf would be NaN in softmax).
+    x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+    return draw_by_uniforms(torch.softmax(x, dim=-1), uniforms)
+
+
+def draw_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids [S] for probabilities [S, V] (rows need not sum to 1) and uniforms [S] in [0, 1): per row the
+    first token, in id order, at which the running sum passes u times the row's total. A token of probability
+    0 is never taken; where u * total rounds to the total itself, the row's last token with probability is."""
+    cumulative = probs.double().cumsum(dim=-1)  # [S, V]
+    target = uniforms.unsqueeze(1) * cumulative[:, -1:]  # [S, 1]
+    chosen = torch.searchsorted(cumulative, target, right=True).squeeze(1)  # [S], V where nothing passes
+    vocab_size = probs.shape[1]
+    last = vocab_size - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)  # [S]
+    return torch.minimum(chosen, last)
+
+
 class Sampler:
     """Stateless apart from the generator used by rows without a seed."""
 
@@ -123,6 +157,10 @@ class Sampler:
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
         self._argmax_rows = kernels.argmax_rows if kernels is not None else None
         self._finite_choices = kernels.finite_choices if kernels is not None else None
+        # Sampled rows' filters and draw, and the repetition penalty, by our kernels on the CPU: the
+        # torch path's sort, mask and per-token ops cost several times a small model's step.
+        self._sample_rows = kernels.sample_rows if kernels is not None else None
+        self._repetition_penalty_rows = kernels.repetition_penalty_rows if kernels is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Next token of each row. Processing order, per row and only where the row asks: logit bias,
@@ -256,8 +294,7 @@ class Sampler:
         if biased_rows:
             apply_logit_bias(x, [p.logit_bias for p in params], rows=[local(i) for i in biased_rows])
         if repeated_rows:
-            apply_repetition_penalty(x, [batch.token_histories[i] for i in rows],
-                                     [p.repetition_penalty for p in params], rows=[local(i) for i in repeated_rows])
+            self._apply_repetition_penalty(x, batch, rows, [local(i) for i in repeated_rows], repeated_rows)
         if counted_rows:
             apply_presence_frequency_penalties(
                 x, [batch.output_token_ids[i] for i in rows], [p.presence_penalty for p in params],
@@ -282,6 +319,25 @@ class Sampler:
             tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators, sampled_seeds))
         return tokens
 
+    def _apply_repetition_penalty(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], x_rows: list[int],
+                                  repeated_rows: list[int]) -> None:
+        """The repetition penalty on x's rows `x_rows` (those of batch rows `repeated_rows`); x holds batch rows
+        `rows`. Our kernel on the CPU, where each history reads as a list of ints; torch otherwise."""
+        if self._repetition_penalty_rows is not None and x.is_cpu:
+            histories = [batch.token_histories[i] for i in repeated_rows]
+            penalties = [batch.params[i].repetition_penalty for i in repeated_rows]
+            try:
+                bad = self._repetition_penalty_rows(x, x_rows, histories, penalties)
+            except TypeError:  # a history the binding cannot read as ints (a tensor, an array): torch's path reads it
+                pass
+            else:
+                if bad is not None:
+                    raise ValueError(f"token history contains token id {bad}, outside the vocabulary "
+                                     f"[0, {x.shape[1]})")
+                return
+        apply_repetition_penalty(x, [batch.token_histories[i] for i in rows],
+                                 [batch.params[i].repetition_penalty for i in rows], rows=x_rows)
+
     @staticmethod
     def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:
         """Row -> the ids it may not sample this step: EOS and stop_token_ids while it has generated fewer
@@ -302,43 +358,39 @@ class Sampler:
         seeds: list[int | None] | None = None,
     ) -> torch.Tensor:
         """Sample one token per row of x [S, V] (float32, modified in place); returns token ids [S]. A row with
-        a seed sets its generator to it first (SamplingBatch.seeds)."""
-        num_rows, vocab_size = x.shape
-        device = x.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [S]
-        # Shift so each row's max is 0 before dividing: softmax is unchanged, and a tiny temperature then sends
-        # the rest to -inf instead of overflowing to inf (inf - inf would be NaN in softmax).
-        x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
+        a seed sets its generator to it first (SamplingBatch.seeds).
 
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-        apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
+        Each row draws one uniform u from its own stream (its generator, or the sampler's for unseeded rows)
+        and takes the first token, in id order, at which the running sum of its filtered probabilities passes
+        u: inverse-CDF sampling, exact for any distribution, so a row's token depends only on its logits and
+        its u, never on the batch around it."""
+        uniforms = self._uniforms(generators, seeds, x.shape[0], x.device)  # [S] float64
+        if self._sample_rows is not None and x.is_cpu:
+            return self._sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params], uniforms)
+        return sample_rows_torch(x, params, uniforms)
 
-        probs = torch.softmax(x, dim=-1)  # [S, V]
-        # Exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with probability p_i, and each
-        # row's draw is just V values from its own stream, independent of the batch around it.
-        q = torch.empty_like(probs)  # [S, V]
-        unseeded = [i for i, g in enumerate(generators) if g is None]
+    def _uniforms(self, generators: list[torch.Generator | None], seeds: list[int | None] | None, num_rows: int,
+                  device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row [S] float64: a seeded row's from its own generator (set to its seed
+        for the draw where one is given), the others' from the sampler's."""
+        uniforms = torch.empty(num_rows, dtype=torch.float64, device=device)
+        unseeded = []
         for i, g in enumerate(generators):
-            if g is not None:
-                if seeds is not None and seeds[i] is not None:
-                    g.manual_seed(seeds[i])
-                # A seeded row draws exactly V values per sampled step from its own generator, nothing else.
-                q[i].copy_(torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=g))
+            if g is None:
+                unseeded.append(i)
+                continue
+            if seeds is not None and seeds[i] is not None:
+                g.manual_seed(seeds[i])
+            # A seeded row draws exactly one value per sampled position from its own generator, nothing else.
+            uniforms[i:i + 1].uniform_(generator=g)
         if len(unseeded) == num_rows:
-            q.exponential_(generator=self._generator)
+            uniforms.uniform_(generator=self._generator)
         elif unseeded:
             index = torch.tensor(unseeded, device=device)
-            noise = torch.empty((len(unseeded), vocab_size), dtype=torch.float32, device=device)  # [U, V]
-            q.index_copy_(0, index, noise.exponential_(generator=self._generator))
-        # An Exp draw can be exactly 0; 0/0 would be NaN and argmax would pick a filtered-out token.
-        q.clamp_min_(torch.finfo(torch.float32).tiny)
-        return probs.div_(q).argmax(dim=-1)
+            noise = torch.empty(len(unseeded), dtype=torch.float64, device=device).uniform_(generator=self._generator)
+            uniforms.index_copy_(0, index, noise)
+        return uniforms
 
     def _validate(self, logits: torch.Tensor, batch: SamplingBatch) -> int:
         """The checks of the logits and the batch's shape; returns the number of rows. Each row's params and

@@ -2,7 +2,7 @@
 
 Only where they measurably pay (see docs/benchmarks.md): the packed-panel and quantized
 linears, paged attention reading K/V through block tables in place, greedy argmax, small
-fused ops, and every decoder layer of a step in one call. Their callers are the CPU fast path
+fused ops, sampling's penalty and draw, and every decoder layer of a step in one call. Their callers are the CPU fast path
 (worker/model/cpu_fast_path.py), the quantized linears' "ours" path and greedy sampling, each
 choosing once. If no compiler is at hand, `load()` returns None and the pure-torch paths run.
 Concurrent first starts (two workers) and starts after a builder was killed are safe.
@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 _SOURCE_DIR = Path(__file__).with_name("csrc")
 _SOURCES = ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "linear.cpp", "pointwise.cpp",
-            "rotary.cpp", "decoder_layers.cpp", "linear_int8_activations.cpp")
+            "rotary.cpp", "decoder_layers.cpp", "linear_int8_activations.cpp", "sampling.cpp")
 DISABLE_ENV = "INFERENCE_DISABLE_CPU_KERNELS"
 TORCH_BUILD_LOCK = "lock"  # the file torch.utils.cpp_extension's builder holds while it builds
 BUILT_STAMP = "built.json"  # the build's key (sources, flags, Python) and the module a finished build made

@@ -14,6 +14,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's largest value (CPU, float32)");
   m.def("finite_choices", &finite_choices,
         "each row's token id as a list, 0 where its logit is not finite (CPU, float32 logits)");
+  m.def("sample_rows", &sample_rows,
+        "each row's token drawn by its uniform from its temperature-scaled, top-k / top-p / min-p filtered "
+        "distribution (CPU, float32 logits)");
+  m.def("repetition_penalty_rows", &repetition_penalty_rows,
+        "the repetition penalty in place on the given rows; an id outside the vocabulary is returned, nothing changed");
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");

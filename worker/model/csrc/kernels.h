@@ -77,6 +77,13 @@ void silu_and_mul(at::Tensor gate_up, at::Tensor out);
 void head_rms_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int64_t num_heads,
                    int64_t num_kv_heads, double eps);
 
+// sampling.cpp
+at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std::vector<int64_t> top_k,
+                       std::vector<double> top_p, std::vector<double> min_p, at::Tensor uniforms);
+std::optional<int64_t> repetition_penalty_rows(at::Tensor logits, std::vector<int64_t> rows,
+                                               std::vector<std::vector<int64_t>> histories,
+                                               std::vector<double> penalties);
+
 // decoder_layers.cpp
 at::Tensor decoder_layers(at::Tensor input_ids, at::Tensor embedding, at::Tensor positions, at::Tensor cos,
                           at::Tensor sin, at::Tensor final_norm,

@@ -1,0 +1,191 @@
+"""Each sampled row's draw by our CPU kernel (sample_rows) and by the torch path every other device runs
+(sample_rows_torch), both held to a float64 statement of the rules: the filters' kept set
+(sampler_harness.reference_keep) over the temperature-scaled logits, then the first kept token, in id order,
+at which the running sum of the weights passes u times their total. Also the kernel's repetition penalty
+bit for bit against torch's, and rows with no distribution to draw from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sampler_harness import reference_keep
+from shared.sampling_params import SamplingParams
+from worker.model import cpu_kernels
+from worker.sampler import apply_repetition_penalty, sample_rows_torch
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+KERNELS = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="our CPU kernels did not build")
+# How near (relative to the kept mass) a boundary may lie before float32's and float64's sums could fall
+# on different sides of it: such a draw (or a top-p / min-p cut) is ambiguous and not compared.
+MARGIN = 1e-5
+
+
+def kernel_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
+    return KERNELS.sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
+                               [p.top_p for p in params], [p.min_p for p in params], uniforms).tolist()
+
+
+def torch_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
+    return sample_rows_torch(x.clone(), params, uniforms).tolist()
+
+
+PATHS = [pytest.param(kernel_path, marks=needs_kernels, id="kernel"), pytest.param(torch_path, id="torch")]
+
+
+def scaled(row: torch.Tensor, temperature: float) -> list[float]:
+    """The row's scaled logits as both paths round them: (x - max) / T in float32."""
+    return ((row - row.max()) / torch.tensor(temperature, dtype=torch.float32)).double().tolist()
+
+
+def reference_token(s: list[float], keep: set[int], u: float) -> tuple[int, float]:
+    """The rule's token for uniform u, and how far (relative to the total) u * total lies from the nearest
+    boundary between two kept tokens."""
+    ids = sorted(keep)
+    weights = [math.exp(s[i]) for i in ids]
+    total = sum(weights)
+    target, running, token, gap = u * total, 0.0, ids[-1], math.inf
+    for i, w in zip(ids, weights):
+        running += w
+        gap = min(gap, abs(running - target) / total)
+        if running > target and token == ids[-1]:
+            token = i
+    return token, gap
+
+
+def unambiguous_keep(s: list[float], p: SamplingParams) -> set[int] | None:
+    """reference_keep, or None where a nudge of top_p or min_p by MARGIN changes the kept set."""
+    keep = reference_keep(s, p.top_k, p.top_p, p.min_p)
+    nudges = [(p.top_p * (1 + d), p.min_p * (1 + d)) for d in (-MARGIN, MARGIN)]
+    for top_p, min_p in nudges:
+        if reference_keep(s, p.top_k, min(top_p, 1.0) if p.top_p < 1 else 1.0, min_p) != keep:
+            return None
+    return keep
+
+
+def random_rows(num_rows: int, vocab_size: int, seed: int) -> tuple[torch.Tensor, list[SamplingParams], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # Peaked rows (as a trained model's are) and flat ones, with exact ties in a few.
+    spread = torch.tensor([0.5, 2.0, 6.0])[torch.randint(0, 3, (num_rows, 1), generator=gen)]
+    x = torch.randn(num_rows, vocab_size, generator=gen) * spread
+    x[::7] = x[::7].round()
+    params = []
+    for _ in range(num_rows):
+        pick = torch.rand(4, generator=gen).tolist()
+        params.append(SamplingParams(
+            temperature=[0.3, 0.7, 1.0, 1.6][int(pick[0] * 4)],
+            top_k=[0, 0, 1, 5, 40][int(pick[1] * 5)] if vocab_size > 1 else 0,
+            top_p=[1.0, 1.0, 0.9, 0.5, 0.05][int(pick[2] * 5)],
+            min_p=[0.0, 0.0, 0.05, 0.3][int(pick[3] * 4)]))
+    return x, params, torch.rand(num_rows, dtype=torch.float64, generator=gen)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("vocab_size", [1, 7, 64, 1000, 5000])
+def test_each_row_takes_the_rules_token(path, vocab_size):
+    x, params, uniforms = random_rows(120, vocab_size, seed=vocab_size)
+    tokens = path(x, params, uniforms)
+    compared = 0
+    for row, (token, p, u) in enumerate(zip(tokens, params, uniforms.tolist())):
+        s = scaled(x[row], p.temperature)
+        keep = unambiguous_keep(s, p)
+        if keep is None:
+            continue
+        expected, gap = reference_token(s, keep, u)
+        if gap < MARGIN:
+            continue
+        assert token == expected, (row, p, u)
+        compared += 1
+    assert compared >= 100  # ambiguity is rare: the test compares nearly every row
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_uniforms_across_the_unit_interval_visit_every_kept_token_in_id_order(path):
+    # Three kept tokens of probability 0.2, 0.3 and 0.5 among ones top-p drops: u in [0, 0.2) takes the first.
+    x = torch.log(torch.tensor([[0.01, 0.2, 0.005, 0.3, 0.5, 0.01]])).repeat(9, 1)
+    params = [SamplingParams(top_p=0.95)] * 9
+    uniforms = torch.tensor([0.0, 0.1, 0.19, 0.21, 0.4, 0.49, 0.51, 0.9, 1 - 2**-53], dtype=torch.float64)
+    assert path(x, params, uniforms) == [1, 1, 1, 3, 3, 3, 4, 4, 4]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_ties_at_the_top_p_cut_keep_the_lower_ids(path):
+    x = torch.zeros(4, 10)
+    x[:, [3, 6]] = 5.0  # two tied top tokens; top_p 0.01 keeps one, the lower id
+    params = [SamplingParams(top_p=0.01)] * 4
+    assert path(x, params, torch.tensor([0.0, 0.3, 0.7, 0.999], dtype=torch.float64)) == [3, 3, 3, 3]
+    # top_k = 1 keeps both (ties at the k-th are kept), drawn by u.
+    params = [SamplingParams(top_k=1)] * 4
+    assert path(x, params, torch.tensor([0.0, 0.3, 0.7, 0.999], dtype=torch.float64)) == [3, 3, 6, 6]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_tiny_temperature_takes_the_first_largest(path):
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 10
+    params = [SamplingParams(temperature=1e-30)] * 3
+    assert path(x, params, torch.tensor([0.0, 0.5, 0.999], dtype=torch.float64)) == x.argmax(dim=-1).tolist()
+
+
+@needs_kernels
+def test_rows_without_a_distribution_give_a_token_in_range_and_never_crash():
+    inf, nan = math.inf, math.nan
+    x = torch.tensor([[-inf, -inf, -inf, -inf],  # all banned
+                      [nan, nan, nan, nan],
+                      [0.0, nan, 1.0, -inf],  # NaN ignored: 0 and 2 share the draw
+                      [0.0, inf, 1.0, 2.0]])  # +inf: that token
+    params = [SamplingParams()] * 4
+    tokens = kernel_path(x, params, torch.tensor([0.5, 0.5, 0.99, 0.5], dtype=torch.float64))
+    assert all(0 <= t < 4 for t in tokens)
+    assert tokens[2] == 2 and tokens[3] == 1
+
+
+@needs_kernels
+def test_the_kernel_refuses_settings_outside_their_ranges():
+    x = torch.zeros(1, 4)
+    u = torch.zeros(1, dtype=torch.float64)
+    for temperature, top_k, top_p, min_p in ((0.0, 0, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (1.0, 0, 0.0, 0.0),
+                                             (1.0, 0, 1.5, 0.0), (1.0, 0, 1.0, -0.1)):
+        with pytest.raises(RuntimeError, match="sample_rows: row 0"):
+            KERNELS.sample_rows(x, [temperature], [top_k], [top_p], [min_p], u)
+    with pytest.raises(RuntimeError, match="uniforms"):
+        KERNELS.sample_rows(x, [1.0], [0], [1.0], [0.0], torch.zeros(2, dtype=torch.float64))
+
+
+@needs_kernels
+def test_the_kernels_repetition_penalty_is_torchs_bit_for_bit():
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 300, generator=gen) * 4
+    x[0, :10] = 0.0  # zero logits take the product branch
+    histories = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (0, 1, 50, 400, 299)]
+    penalties = [1.3, 0.7, 1.1, 2.0, 1.0]
+    rows = [0, 1, 2, 3]  # row 4's penalty is 1: not listed, left as it is
+    expected = apply_repetition_penalty(x.clone(), histories, penalties, rows=rows)
+    ours = x.clone()
+    assert KERNELS.repetition_penalty_rows(ours, rows, [histories[r] for r in rows], [penalties[r] for r in rows]) is None
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(ours[4], x[4])
+
+
+@needs_kernels
+def test_the_kernels_repetition_penalty_returns_an_id_outside_the_vocabulary_and_changes_nothing():
+    x = torch.randn(2, 10)
+    before = x.clone()
+    assert KERNELS.repetition_penalty_rows(x, [0, 1], [[1, 2], [3, 10]], [1.5, 1.5]) == 10
+    assert KERNELS.repetition_penalty_rows(x, [0], [[-1]], [1.5]) == -1
+    assert torch.equal(x, before)
+
+
+def test_a_sampler_reads_histories_of_any_sequence_type_to_the_same_result():
+    from sampler_harness import make_batch
+    from worker.sampler import Sampler
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(temperature=0, repetition_penalty=1.8)] * 2
+    as_lists = Sampler()(logits, make_batch(params, histories=[[1, 2, 3], [4, 5]])).token_ids
+    # A tensor history is not a list of ints to the kernel's binding: the sampler gives it to torch's path.
+    as_tensors = Sampler()(logits, make_batch(params, histories=[torch.tensor([1, 2, 3]), torch.tensor([4, 5])]))
+    penalised = apply_repetition_penalty(logits.clone(), [[1, 2, 3], [4, 5]], [1.8, 1.8])
+    assert as_lists == as_tensors.token_ids == penalised.argmax(dim=-1).tolist()
