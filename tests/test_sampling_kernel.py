@@ -2,7 +2,8 @@
 (sample_rows_torch), both held to a float64 statement of the rules: the filters' kept set
 (sampler_harness.reference_keep) over the temperature-scaled logits, then the first kept token, in id order,
 at which the running sum of the weights passes u times their total. Also the kernel's repetition penalty
-bit for bit against torch's, and rows with no distribution to draw from."""
+bit for bit against torch's, rows with no distribution to draw from, and the kernel built without AVX2
+(its scalar loops) held to the same statement."""
 
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def torch_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Te
 
 
 PATHS = [pytest.param(kernel_path, marks=needs_kernels, id="kernel"), pytest.param(torch_path, id="torch")]
+
+# sample_rows alone, bound as bindings.cpp binds it, for a build without AVX2.
+_PORTABLE_BINDINGS = """
+#include <torch/csrc/utils/pybind.h>
+#include "kernels.h"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("sample_rows", &sample_rows); }
+"""
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory):
+    from torch.utils.cpp_extension import load
+    folder = tmp_path_factory.mktemp("portable_sampling")
+    (folder / "bindings.cpp").write_text(_PORTABLE_BINDINGS)
+    return load(name="portable_sampling", sources=[str(folder / "bindings.cpp"),
+                                                   str(cpu_kernels._SOURCE_DIR / "sampling.cpp")],
+                build_directory=str(folder), extra_cflags=["-O1", f"-I{cpu_kernels._SOURCE_DIR}", "-march=native",
+                                                           "-mno-avx512f", "-mno-avx2", "-mno-fma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def scaled(row: torch.Tensor, temperature: float) -> list[float]:
@@ -83,9 +103,7 @@ def random_rows(num_rows: int, vocab_size: int, seed: int) -> tuple[torch.Tensor
     return x, params, torch.rand(num_rows, dtype=torch.float64, generator=gen)
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("vocab_size", [1, 7, 64, 1000, 5000])
-def test_each_row_takes_the_rules_token(path, vocab_size):
+def assert_rules_tokens(path, vocab_size: int) -> None:
     x, params, uniforms = random_rows(120, vocab_size, seed=vocab_size)
     tokens = path(x, params, uniforms)
     compared = 0
@@ -100,6 +118,23 @@ def test_each_row_takes_the_rules_token(path, vocab_size):
         assert token == expected, (row, p, u)
         compared += 1
     assert compared >= 100  # ambiguity is rare: the test compares nearly every row
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("vocab_size", [1, 7, 64, 1000, 5000])
+def test_each_row_takes_the_rules_token(path, vocab_size):
+    assert_rules_tokens(path, vocab_size)
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab_size", [7, 1000])
+def test_a_build_without_avx2_takes_the_rules_token(portable_kernels, vocab_size):
+    def portable_path(x, params, uniforms):
+        return portable_kernels.sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
+                                            [p.top_p for p in params], [p.min_p for p in params], uniforms).tolist()
+
+    assert_rules_tokens(portable_path, vocab_size)
 
 
 @pytest.mark.parametrize("path", PATHS)
