@@ -158,6 +158,15 @@ def test_ties_at_the_top_p_cut_keep_the_lower_ids(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_top_k_beyond_the_tokens_left_in_keeps_them_all(path):
+    # Tokens 2 and 5 are the only ones not banned; top_k 3 finds no third and keeps both, by u.
+    x = torch.full((4, 9), -math.inf)
+    x[:, 2], x[:, 5] = 1.0, 1.0 - math.log(3.0)  # probabilities 3/4 and 1/4
+    params = [SamplingParams(top_k=3)] * 4
+    assert path(x, params, torch.tensor([0.0, 0.7, 0.76, 0.99], dtype=torch.float64)) == [2, 2, 5, 5]
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_tiny_temperature_takes_the_first_largest(path):
     x = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 10
     params = [SamplingParams(temperature=1e-30)] * 3
@@ -199,7 +208,8 @@ def test_the_kernels_repetition_penalty_is_torchs_bit_for_bit():
     rows = [0, 1, 2, 3]  # row 4's penalty is 1: not listed, left as it is
     expected = apply_repetition_penalty(x.clone(), histories, penalties, rows=rows)
     ours = x.clone()
-    assert KERNELS.repetition_penalty_rows(ours, rows, [histories[r] for r in rows], [penalties[r] for r in rows]) is None
+    penalised = KERNELS.repetition_penalty_rows(ours, rows, [histories[r] for r in rows], [penalties[r] for r in rows])
+    assert penalised is None
     assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
     assert torch.equal(ours[4], x[4])
 
@@ -224,3 +234,24 @@ def test_a_sampler_reads_histories_of_any_sequence_type_to_the_same_result():
     as_tensors = Sampler()(logits, make_batch(params, histories=[torch.tensor([1, 2, 3]), torch.tensor([4, 5])]))
     penalised = apply_repetition_penalty(logits.clone(), [[1, 2, 3], [4, 5]], [1.8, 1.8])
     assert as_lists == as_tensors.token_ids == penalised.argmax(dim=-1).tolist()
+
+
+@needs_kernels
+def test_the_kernels_presence_and_frequency_penalties_are_torchs_bit_for_bit():
+    from worker.logits_processors import apply_presence_frequency_penalties
+
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 200, generator=gen) * 3
+    outputs = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (0, 3, 150, 600)]
+    presence, frequency = [0.0, 0.5, -1.3, 2.0], [0.1, 0.0, 0.37, -0.7]
+    rows = [1, 2, 3]
+    expected = apply_presence_frequency_penalties(x.clone(), outputs, presence, frequency, rows=rows)
+    ours = x.clone()
+    edited = KERNELS.presence_frequency_rows(ours, rows, [outputs[r] for r in rows], [presence[r] for r in rows],
+                                             [frequency[r] for r in rows])
+    assert edited is None
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(ours[0], x[0])
+    before = ours.clone()
+    assert KERNELS.presence_frequency_rows(ours, [0], [[5, 200]], [1.0], [1.0]) == 200
+    assert torch.equal(ours, before)

@@ -157,10 +157,11 @@ class Sampler:
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
         self._argmax_rows = kernels.argmax_rows if kernels is not None else None
         self._finite_choices = kernels.finite_choices if kernels is not None else None
-        # Sampled rows' filters and draw, and the repetition penalty, by our kernels on the CPU: the
-        # torch path's sort, mask and per-token ops cost several times a small model's step.
+        # Sampled rows' filters and draw, and the penalties, by our kernels on the CPU: the torch
+        # path's sort, masks and per-token ops cost several times a small model's step.
         self._sample_rows = kernels.sample_rows if kernels is not None else None
         self._repetition_penalty_rows = kernels.repetition_penalty_rows if kernels is not None else None
+        self._presence_frequency_rows = kernels.presence_frequency_rows if kernels is not None else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Next token of each row. Processing order, per row and only where the row asks: logit bias,
@@ -293,9 +294,17 @@ class Sampler:
         params = [batch.params[i] for i in rows]
         if biased_rows:
             apply_logit_bias(x, [p.logit_bias for p in params], rows=[local(i) for i in biased_rows])
-        if repeated_rows:
-            self._apply_repetition_penalty(x, batch, rows, [local(i) for i in repeated_rows], repeated_rows)
-        if counted_rows:
+        if repeated_rows and not self._edited_by_kernel(
+                self._repetition_penalty_rows, x, "token history", [local(i) for i in repeated_rows],
+                [batch.token_histories[i] for i in repeated_rows],
+                [batch.params[i].repetition_penalty for i in repeated_rows]):
+            apply_repetition_penalty(x, [batch.token_histories[i] for i in rows],
+                                     [p.repetition_penalty for p in params], rows=[local(i) for i in repeated_rows])
+        if counted_rows and not self._edited_by_kernel(
+                self._presence_frequency_rows, x, "output history", [local(i) for i in counted_rows],
+                [batch.output_token_ids[i] for i in counted_rows],
+                [batch.params[i].presence_penalty for i in counted_rows],
+                [batch.params[i].frequency_penalty for i in counted_rows]):
             apply_presence_frequency_penalties(
                 x, [batch.output_token_ids[i] for i in rows], [p.presence_penalty for p in params],
                 [p.frequency_penalty for p in params], rows=[local(i) for i in counted_rows]
@@ -319,24 +328,19 @@ class Sampler:
             tokens.index_copy_(0, row_index, self._sample(xs, sampled_params, sampled_generators, sampled_seeds))
         return tokens
 
-    def _apply_repetition_penalty(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int], x_rows: list[int],
-                                  repeated_rows: list[int]) -> None:
-        """The repetition penalty on x's rows `x_rows` (those of batch rows `repeated_rows`); x holds batch rows
-        `rows`. Our kernel on the CPU, where each history reads as a list of ints; torch otherwise."""
-        if self._repetition_penalty_rows is not None and x.is_cpu:
-            histories = [batch.token_histories[i] for i in repeated_rows]
-            penalties = [batch.params[i].repetition_penalty for i in repeated_rows]
-            try:
-                bad = self._repetition_penalty_rows(x, x_rows, histories, penalties)
-            except TypeError:  # a history the binding cannot read as ints (a tensor, an array): torch's path reads it
-                pass
-            else:
-                if bad is not None:
-                    raise ValueError(f"token history contains token id {bad}, outside the vocabulary "
-                                     f"[0, {x.shape[1]})")
-                return
-        apply_repetition_penalty(x, [batch.token_histories[i] for i in rows],
-                                 [batch.params[i].repetition_penalty for i in rows], rows=x_rows)
+    def _edited_by_kernel(self, kernel, x: torch.Tensor, what: str, *args) -> bool:
+        """Runs one of our in-place edits of x's rows; False where it cannot (none built, x not on the CPU, a
+        history the binding cannot read as a list of ints: a tensor, an array), so the caller runs torch's.
+        An id outside the vocabulary is a ValueError naming `what`, and nothing is edited."""
+        if kernel is None or not x.is_cpu:
+            return False
+        try:
+            bad = kernel(x, *args)
+        except TypeError:
+            return False
+        if bad is not None:
+            raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {x.shape[1]})")
+        return True
 
     @staticmethod
     def _banned_for_min_tokens(batch: SamplingBatch, rows: list[int]) -> dict[int, list[int]]:

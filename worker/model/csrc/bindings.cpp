@@ -19,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "distribution (CPU, float32 logits)");
   m.def("repetition_penalty_rows", &repetition_penalty_rows,
         "the repetition penalty in place on the given rows; an id outside the vocabulary is returned, nothing changed");
+  m.def("presence_frequency_rows", &presence_frequency_rows,
+        "OpenAI's presence and frequency penalties in place on the given rows; an id outside the vocabulary is "
+        "returned, nothing changed");
   m.def("rms_norm", &rms_norm, "RMSNorm into out (CPU, float32)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) into out (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU, float32)");

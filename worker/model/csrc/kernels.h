@@ -83,6 +83,9 @@ at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std:
 std::optional<int64_t> repetition_penalty_rows(at::Tensor logits, std::vector<int64_t> rows,
                                                std::vector<std::vector<int64_t>> histories,
                                                std::vector<double> penalties);
+std::optional<int64_t> presence_frequency_rows(at::Tensor logits, std::vector<int64_t> rows,
+                                               std::vector<std::vector<int64_t>> outputs,
+                                               std::vector<double> presence, std::vector<double> frequency);
 
 // decoder_layers.cpp
 at::Tensor decoder_layers(at::Tensor input_ids, at::Tensor embedding, at::Tensor positions, at::Tensor cos,

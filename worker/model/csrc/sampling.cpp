@@ -1,8 +1,9 @@
-// Sampling's share of a step on the CPU: the repetition penalty, and each sampled row's draw
-// from its temperature-scaled, top-k / top-p / min-p filtered distribution. Torch spends far
-// more on these per vocabulary-sized row than the model's step on a small model (a full stable
-// sort for top-p, a random value per token for the draw, a [B, V] mask for the penalty), and
-// the cost grows with the vocabulary (docs/benchmarks.md, "Sampling").
+// Sampling's share of a step on the CPU: the repetition, presence and frequency penalties, and
+// each sampled row's draw from its temperature-scaled, top-k / top-p / min-p filtered
+// distribution. Torch spends far more on these per vocabulary-sized row than the model's step on
+// a small model (a full stable sort for top-p, a random value per token for the draw, [B, V]
+// masks and counts for the penalties), and the cost grows with the vocabulary
+// (docs/benchmarks.md, "Sampling").
 //
 // The rules are worker/logits_processors.py's and worker/sampler.py's (the torch path every
 // other device runs), computed in one pass a step: s = (logit - max) / T as torch rounds it;
@@ -10,7 +11,8 @@
 // descending probability and ascending id, whose mass reaches top_p; min-p keeps p >=
 // min_p * max p; the draw takes the first token, in id order, at which the kept weights'
 // running sum passes u * their total (one uniform u a row). Top-p needs no sort of the row:
-// weights are binned by their exponent, and only the bin where the mass crosses top_p is sorted.
+// weights are binned by their exponent, and only the bin where the mass crosses top_p is sorted;
+// top-k partitions only the values above a threshold that k of them reach.
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -30,8 +32,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // top one, and is left out rather than carried as a denormal.
 constexpr float kSmallestScaled = -87.f;
 constexpr int64_t kBlock = 64;  // tokens per partial sum the draw walks
-// Weight bins for top-p: 2^kBinBitsPerOctave a power of two, by the float's exponent and top
-// mantissa bits. Weights lie in (0, 1] (the top token's is e^0 = 1), so bin 0 holds 1 alone.
+// Weight bins for top-p, by the float's exponent and top three mantissa bits (8 an octave).
+// Weights lie in (0, 1] (the top token's is e^0 = 1), so bin 0 holds 1 alone.
 constexpr int kBinShift = 20;
 constexpr uint32_t kOneBits = 0x3F800000u;
 constexpr int64_t kNumBins = (kOneBits >> kBinShift) + 1;
@@ -90,40 +92,54 @@ double sum_weights(const float* w, int64_t vocab, float* blocks) {
   return total;
 }
 
-// Bins of a row's values, in the order top-k and top-p walk them (largest first), for finding
-// where a count or a mass is reached without sorting the row: by the float's exponent and top
-// three mantissa bits. Scaled logits lie in [-87, 0], weights in (0, 1].
-constexpr int64_t kNumScaledBins = (0x42B00000u >> kBinShift) + 1;  // |s| < 88
-// By |s|'s bits (the sign cleared: the top token's s is +0, the rest negative).
-inline int64_t scaled_bin(float scaled) { return static_cast<int64_t>((bits_of(scaled) & 0x7FFFFFFFu) >> kBinShift); }
+// How many of s[0 .. vocab) are >= threshold.
+int64_t count_at_least(const float* s, int64_t vocab, float threshold) {
+  int64_t count = 0, i = 0;
+#ifdef HAVE_AVX2_FMA
+  const __m256 t = _mm256_set1_ps(threshold);
+  for (; i + kLanes <= vocab; i += kLanes)
+    count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), t, _CMP_GE_OQ)));
+#endif
+  for (; i < vocab; ++i) count += s[i] >= threshold;
+  return count;
+}
 
-// The k-th largest of the scaled logits s (0 < k < vocab; -inf for those left out).
+// The k-th largest of the scaled logits s (0 < k < vocab; each <= 0, -inf for those left out). The
+// largest k lie at or above the first of 0, -1, -2, -4, ... that k values reach, so only those
+// are partitioned.
 float kth_largest(const float* s, int64_t vocab, int64_t k, std::vector<float>& scratch) {
-  std::vector<int64_t> counts(kNumScaledBins, 0);
-  int64_t finite = 0;
-  for (int64_t i = 0; i < vocab; ++i)
-    if (s[i] != kNegInf) {
-      ++counts[scaled_bin(s[i])];
-      ++finite;
-    }
-  if (finite < k) return kNegInf;
-  int64_t bin = 0, above = 0;
-  while (above + counts[bin] < k) above += counts[bin++];
+  float threshold = 0.f;
+  while (count_at_least(s, vocab, threshold) < k) {
+    if (threshold < kSmallestScaled) return kNegInf;  // fewer than k tokens are left in
+    threshold = threshold == 0.f ? -1.f : 2.f * threshold;
+  }
   scratch.clear();
   for (int64_t i = 0; i < vocab; ++i)
-    if (s[i] != kNegInf && scaled_bin(s[i]) == bin) scratch.push_back(s[i]);
-  const int64_t rank = k - above - 1;  // within the bin, largest first
-  std::nth_element(scratch.begin(), scratch.begin() + rank, scratch.end(), std::greater<float>());
-  return scratch[rank];
+    if (s[i] >= threshold) scratch.push_back(s[i]);
+  std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+  return scratch[k - 1];
 }
 
 // Zeroes the weights top-p removes: a token stays while the mass of the tokens before it, by
 // descending weight and ascending id, is under top_p of the whole (so the top token always does).
+// Only tokens of weight >= floor are binned: those under it hold less than half the mass top-p
+// drops, so the cut lies above them all.
 void keep_top_p(float* w, int64_t vocab, double top_p, double total) {
   const double target = top_p * total;
+  const float floor = std::max(static_cast<float>((1.0 - top_p) * total / (2.0 * vocab)),
+                               std::numeric_limits<float>::min());  // weights of 0 are never binned
+  std::vector<int64_t> candidates;
+  int64_t i = 0;
+#ifdef HAVE_AVX2_FMA
+  const __m256 floor_v = _mm256_set1_ps(floor);
+  for (; i + kLanes <= vocab; i += kLanes)
+    for (int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + i), floor_v, _CMP_GE_OQ)); m; m &= m - 1)
+      candidates.push_back(i + __builtin_ctz(m));
+#endif
+  for (; i < vocab; ++i)
+    if (w[i] >= floor) candidates.push_back(i);
   std::vector<double> mass(kNumBins, 0.0);
-  for (int64_t i = 0; i < vocab; ++i)
-    if (w[i] > 0) mass[bin_of(w[i])] += w[i];
+  for (const int64_t c : candidates) mass[bin_of(w[c])] += w[c];
   double before = 0;
   for (int64_t bin = 0; bin < kNumBins; ++bin) {
     if (mass[bin] == 0) continue;
@@ -132,21 +148,20 @@ void keep_top_p(float* w, int64_t vocab, double top_p, double total) {
       continue;
     }
     std::vector<std::pair<float, int64_t>> members;
-    for (int64_t i = 0; i < vocab; ++i)
-      if (w[i] > 0 && bin_of(w[i]) == bin) members.emplace_back(w[i], i);
+    for (const int64_t c : candidates)
+      if (bin_of(w[c]) == bin) members.emplace_back(w[c], c);
     std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) {
       return a.first > b.first || (a.first == b.first && a.second < b.second);
     });
     size_t kept = 0;
     while (kept < members.size() && before < target) before += members[kept++].first;
     if (kept == members.size()) continue;  // rounding: the bin's own sum fell short, the next bin crosses
-    // Kept: bins before this one, and this bin's first `kept` members in the sorted order.
-    const auto [last_weight, last_id] = kept ? members[kept - 1] : std::pair<float, int64_t>{2.f, -1};
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (w[i] <= 0) continue;
-      const int64_t b = bin_of(w[i]);
-      const bool stays = b < bin || (b == bin && (w[i] > last_weight || (w[i] == last_weight && i <= last_id)));
-      if (!stays) w[i] = 0;
+    // Every token of an earlier bin outweighs every token of this one, so what stays is whatever
+    // comes before this bin's first dropped member in (weight desc, id asc) order.
+    const auto [last_weight, last_id] = kept ? members[kept - 1] : std::pair<float, int64_t>{members[0].first, -1};
+    for (int64_t t = 0; t < vocab; ++t) {
+      const bool stays = w[t] > last_weight || (w[t] == last_weight && t <= last_id);
+      w[t] = stays ? w[t] : 0.f;
     }
     return;
   }
@@ -283,6 +298,40 @@ std::optional<int64_t> repetition_penalty_rows(at::Tensor logits, std::vector<in
       seen[id] = 1;
       row[id] = row[id] > 0 ? row[id] / penalty : row[id] * penalty;
     }
+  }
+  return std::nullopt;
+}
+
+std::optional<int64_t> presence_frequency_rows(at::Tensor logits, std::vector<int64_t> rows,
+                                               std::vector<std::vector<int64_t>> outputs,
+                                               std::vector<double> presence, std::vector<double> frequency) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "presence_frequency_rows: float32 [B, V] logits on the CPU with contiguous rows");
+  TORCH_CHECK(rows.size() == outputs.size() && rows.size() == presence.size() && rows.size() == frequency.size(),
+              "presence_frequency_rows: one output history and two penalties per row");
+  const int64_t vocab = logits.size(1);
+  for (size_t j = 0; j < rows.size(); ++j) {
+    TORCH_CHECK(rows[j] >= 0 && rows[j] < logits.size(0), "presence_frequency_rows: row ", rows[j],
+                " outside the ", logits.size(0), " rows");
+    for (const int64_t id : outputs[j])
+      if (id < 0 || id >= vocab) return id;  // nothing is changed: the caller reports the id
+  }
+  std::vector<int64_t> counts(vocab), seen;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    float* row = logits.data_ptr<float>() + rows[j] * logits.stride(0);
+    for (const int64_t id : outputs[j])
+      if (counts[id]++ == 0) seen.push_back(id);
+    // torch's float32 ops in torch's order: presence x 1, frequency x count, their sum, then
+    // logit + (-sum). The products go through double and are rounded back one by one, so no
+    // fused multiply-add can round them differently.
+    const float present = static_cast<float>(presence[j]), per_count = static_cast<float>(frequency[j]);
+    for (const int64_t id : seen) {
+      const float counted = static_cast<float>(static_cast<double>(per_count) * static_cast<double>(counts[id]));
+      const float penalty = static_cast<float>(static_cast<double>(present) + static_cast<double>(counted));
+      row[id] = row[id] + (-penalty);
+      counts[id] = 0;
+    }
+    seen.clear();
   }
   return std::nullopt;
 }
