@@ -11,8 +11,8 @@
 // descending probability and ascending id, whose mass reaches top_p; min-p keeps p >=
 // min_p * max p; the draw takes the first token, in id order, at which the kept weights'
 // running sum passes u * their total (one uniform u a row). Top-p needs no sort of the row:
-// weights are binned by their exponent, and only the bin where the mass crosses top_p is sorted;
-// top-k partitions only the values above a threshold that k of them reach.
+// weights are binned by their float bits, and only the bin where the mass crosses top_p is
+// sorted; top-k partitions only the values above a threshold that k of them reach.
 #include "kernels.h"
 #include "vector_math.h"
 
