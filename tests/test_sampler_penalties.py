@@ -298,8 +298,9 @@ def test_rows_that_need_only_an_argmax_take_the_fast_path_even_beside_a_feature_
     calls.clear()
     out = sampler(logits, make_batch([greedy(), params], outputs=[[1], [2]], eos=[EOS]))
     # A greedy row that only asks for logprobs needs the raw argmax too; any other feature row is processed
-    # apart, and the plain row alone goes to the kernel, with no copy.
-    assert calls == ([(2, True)] if params.logprobs else [(1, True)])
+    # apart (its argmax by the kernel too, on its edited copy), and the plain row alone goes to the kernel,
+    # with no copy.
+    assert calls == ([(2, True)] if params.logprobs else [(1, False), (1, True)])
     assert out.token_ids[0] == int(logits[0].argmax())
     assert out.logprobs is None if not params.logprobs else out.logprobs[0] is None
     calls.clear()

@@ -11,6 +11,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sampler_harness import reference_keep
 from shared.sampling_params import SamplingParams
@@ -184,6 +186,23 @@ def test_rows_without_a_distribution_give_a_token_in_range_and_never_crash():
     tokens = kernel_path(x, params, torch.tensor([0.5, 0.5, 0.99, 0.5], dtype=torch.float64))
     assert all(0 <= t < 4 for t in tokens)
     assert tokens[2] == 2 and tokens[3] == 1
+
+
+@needs_kernels
+@settings(max_examples=400, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(width=32), st.sampled_from([0.0, -1e38, 1e38, 87.0, -88.0])),
+                       min_size=1, max_size=70),
+       temperature=st.floats(1e-6, 100.0), top_k=st.integers(0, 80), top_p=st.floats(0.001, 1.0),
+       min_p=st.floats(0.0, 1.0), u=st.floats(0.0, 1.0, exclude_max=True))
+def test_any_row_gives_a_token_in_range_with_a_finite_logit_where_one_is(values, temperature, top_k, top_p, min_p, u):
+    # Any float32 values at all (NaN, +-inf, the extremes) and any settings in their ranges: never out of
+    # range, and where the row has finite logits and no +inf, a token with a finite logit.
+    x = torch.tensor([values], dtype=torch.float32)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)]
+    token = kernel_path(x, params, torch.tensor([u], dtype=torch.float64))[0]
+    assert 0 <= token < len(values)
+    if torch.isfinite(x).any() and not (x == math.inf).any():
+        assert math.isfinite(values[token])
 
 
 @needs_kernels

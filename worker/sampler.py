@@ -321,7 +321,7 @@ class Sampler:
         sampled_seeds = [batch.seeds[i] for i in sampled_rows] if batch.seeds is not None else None
         if len(sampled_rows) == num_rows:
             return self._sample(x, sampled_params, sampled_generators, sampled_seeds)  # [P]
-        tokens = x.argmax(dim=-1)  # [P]; final for greedy rows, overwritten below for sampled rows
+        tokens = self._greedy(x)  # [P]; final for greedy rows, overwritten below for sampled rows
         if sampled_rows:
             row_index = torch.tensor([local(i) for i in sampled_rows], device=x.device)  # [S]
             xs = x.index_select(0, row_index)  # [S, V]
