@@ -21,7 +21,9 @@ def test_freezing_leaves_no_startup_object_for_a_collection_to_walk_and_later_cy
     try:
         frozen = freeze_startup_objects()
         assert gone() is None
-        assert frozen >= len(kept) and frozen == gc.get_freeze_count()
+        # Frozen objects can still be freed by their references dropping (a thread left by another test
+        # may drop some meanwhile); nothing joins the permanent generation without a freeze.
+        assert frozen >= len(kept) and len(kept) <= gc.get_freeze_count() <= frozen
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(node) in tracked for node in kept)
         later = _Node()

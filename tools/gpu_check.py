@@ -8,12 +8,14 @@ failures. Covers: the engine on CUDA in the checkpoint's half type against float
 CPU, the runner's own CUDA stream, KV sizing from free device memory, the memory reader's
 CUDA figures, the sharded and on-demand loading modes (pinned memory, side stream, events)
 against full loading, INT8/INT4 on the device (the compute path `choose_path` picked), speculative
-decoding's verify steps, a float16 KV pool beside the model's own dtype, and the reference
-attention on the device, and decode steps replayed from CUDA graphs against eager ones.
+decoding's verify steps, a float16 KV pool beside the model's own dtype, the reference
+attention on the device, decode steps replayed from CUDA graphs against eager ones, and sampling
+on the device (torch's path: seeded runs reproduce, draws follow a known distribution).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -172,10 +174,31 @@ def main(argv: list[str] | None = None) -> int:
                     f"with eager steps {agreement:.0%}; one stream {rates['graphs']:.0f} tok/s with graphs, "
                     f"{rates['eager']:.0f} eager")
 
+    def sampling():
+        # Torch's path, the only one on the device: one uniform a row from the row's own stream.
+        from worker.engine import SamplingParams
+        from worker.sampler import Sampler, SamplingBatch
+        engine = state["full"]
+        params = SamplingParams(max_tokens=24, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                                presence_penalty=0.3, seed=7, ignore_eos=True)
+        runs = [[list(o.token_ids) for o in engine.generate(prompts, params, use_tqdm=False)] for _ in range(2)]
+        other = [list(o.token_ids) for o in engine.generate(prompts, dataclasses.replace(params, seed=8), use_tqdm=False)]
+        probs, draws = [0.1, 0.2, 0.3, 0.4], 4000
+        logits = torch.tensor(probs).log().repeat(draws, 1).to(device)
+        batch = SamplingBatch(params=[SamplingParams()] * draws, generators=[None] * draws,
+                              token_histories=[[]] * draws)
+        tokens = Sampler(device, seed=0)(logits, batch).token_ids
+        chi2 = sum((tokens.count(i) - draws * p) ** 2 / (draws * p) for i, p in enumerate(probs))
+        reproduces, differs = runs[0] == runs[1], runs[0] != other
+        return reproduces and differs and chi2 < 16.27, (
+            f"seeded runs identical {reproduces}, another seed differs {differs}; chi-square of {draws} draws "
+            f"of [0.1, 0.2, 0.3, 0.4] {chi2:.2f} (3 degrees of freedom, < 16.27 at 0.001)")
+
     check("engine in half precision vs float32 on the CPU", half_precision)
     if "full" in state:
         check("the reference attention on the device", reference_attention)
         check("decode steps from CUDA graphs", decode_graphs)
+        check("sampling on the device", sampling)
         check("speculative decoding (prompt lookup) on the device", speculative)
         check("a float16 KV pool", kv_cache_dtype)
         check("runner owns a CUDA stream", runner_stream)
