@@ -123,7 +123,7 @@ def assert_rules_tokens(path, vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("vocab_size", [1, 7, 64, 1000, 5000])
+@pytest.mark.parametrize("vocab_size", [1, 7, 9, 63, 64, 1000, 5000])
 def test_each_row_takes_the_rules_token(path, vocab_size):
     assert_rules_tokens(path, vocab_size)
 
@@ -146,6 +146,32 @@ def test_uniforms_across_the_unit_interval_visit_every_kept_token_in_id_order(pa
     params = [SamplingParams(top_p=0.95)] * 9
     uniforms = torch.tensor([0.0, 0.1, 0.19, 0.21, 0.4, 0.49, 0.51, 0.9, 1 - 2**-53], dtype=torch.float64)
     assert path(x, params, uniforms) == [1, 1, 1, 3, 3, 3, 4, 4, 4]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("row, top_p", [
+    ([2.0, 0.0], 0.5),  # the cut right after the top token, at the end of its bin
+    ([8.0] + [0.0] * 999, 0.1),  # one peak (p = 0.75) over a flat tail that lies under the floor
+    ([0.0] + [-0.24] * 8, 0.8),  # eight tied tokens, some in the vector loop, one in its tail
+    ([0.0] + [-0.24] * 62, 0.3),
+], ids=["two", "peak-and-flat-tail", "ties-9", "ties-63"])
+def test_a_draw_never_takes_a_token_top_p_removes(path, row, top_p):
+    x = torch.tensor([row]).repeat(64, 1)
+    params = [SamplingParams(top_p=top_p)] * 64
+    uniforms = torch.linspace(0, 1 - 2**-20, 64, dtype=torch.float64)
+    s = scaled(x[0], 1.0)
+    keep = reference_keep(s, 0, top_p, 0.0)
+    expected = [reference_token(s, keep, u)[0] for u in uniforms.tolist()]
+    assert path(x, params, uniforms) == expected
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_temperatures_float32_cannot_hold_are_held_to_its_range(path):
+    # 1e-50 rounds to 0 and 1e39 to inf in float32: the first largest, and a draw among the tokens left in.
+    x = torch.tensor([[1.0, 5.0, 2.0, -math.inf]]).repeat(4, 1)
+    params = [SamplingParams(temperature=1e-50)] * 2 + [SamplingParams(temperature=1e39)] * 2
+    tokens = path(x, params, torch.tensor([0.1, 0.99, 0.1, 0.99], dtype=torch.float64))
+    assert tokens[:2] == [1, 1] and tokens[2] == 0 and tokens[3] == 2
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -250,6 +276,9 @@ def test_a_sampler_reads_histories_of_any_sequence_type_to_the_same_result():
     params = [SamplingParams(temperature=0, repetition_penalty=1.8)] * 2
     as_lists = Sampler()(logits, make_batch(params, histories=[[1, 2, 3], [4, 5]])).token_ids
     # A tensor history is not a list of ints to the kernel's binding: the sampler gives it to torch's path.
+    if KERNELS is not None:
+        with pytest.raises(TypeError):
+            KERNELS.repetition_penalty_rows(logits.clone(), [0], [torch.tensor([1, 2, 3])], [1.8])
     as_tensors = Sampler()(logits, make_batch(params, histories=[torch.tensor([1, 2, 3]), torch.tensor([4, 5])]))
     penalised = apply_repetition_penalty(logits.clone(), [[1, 2, 3], [4, 5]], [1.8, 1.8])
     assert as_lists == as_tensors.token_ids == penalised.argmax(dim=-1).tolist()
@@ -274,3 +303,19 @@ def test_the_kernels_presence_and_frequency_penalties_are_torchs_bit_for_bit():
     before = ours.clone()
     assert KERNELS.presence_frequency_rows(ours, [0], [[5, 200]], [1.0], [1.0]) == 200
     assert torch.equal(ours, before)
+
+
+def test_logits_in_any_memory_layout_are_sampled():
+    from sampler_harness import make_batch
+    from worker.sampler import Sampler
+
+    logits = (torch.randn(50, 3, generator=torch.Generator().manual_seed(4)) * 3).t()  # [3, 50], column-major
+    params = [SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.5, seed=s)
+              for s in range(3)]
+    histories = [[1, 2], [3], [4, 4]]
+    batch = make_batch(params, histories=histories)
+    batch.output_token_ids = histories
+    tokens = Sampler()(logits, batch).token_ids
+    batch = make_batch(params, histories=histories)
+    batch.output_token_ids = histories
+    assert tokens == Sampler()(logits.contiguous(), batch).token_ids

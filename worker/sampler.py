@@ -114,7 +114,10 @@ def sample_rows_torch(x: torch.Tensor, params: list[SamplingParams], uniforms: t
     temperature, top-k, top-p and min-p (apply_top_k_top_p_min_p's rules), then draw_by_uniforms. Our CPU
     kernel (sample_rows) computes the same."""
     device = x.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)  # [S]
+    # Held to float32's normal range: a temperature rounding to 0 or inf would make the row NaN.
+    finfo = torch.finfo(torch.float32)
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).clamp_(
+        finfo.tiny, finfo.max)  # [S]
     # Shift so each row's max is 0 before dividing: softmax is unchanged, and a tiny temperature then sends
     # the rest to -inf instead of overflowing to inf (inf - inf would be NaN in softmax).
     x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
@@ -222,7 +225,7 @@ class Sampler:
             tokens = self._greedy(logits)  # [B]
         elif len(processed) == num_rows:
             # Copy once: the edits work in place and the caller's logits (needed raw for logprobs) stay intact.
-            x = logits.to(dtype=torch.float32, copy=True)  # [B, V]
+            x = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)  # [B, V]
             tokens = self._process(x, batch, processed, sampled_rows, repeated_rows, counted_rows, biased_rows,
                                    banned, constrained_rows)  # [B]
         else:

@@ -56,18 +56,28 @@ struct RowSettings {
   double top_p, min_p, uniform;
 };
 
-// w[i] = e^{w[i]} for scaled logits w, 0 where a token is left out (-inf).
+// w[i] = e^{w[i]} for scaled logits w, 0 where a token is left out (-inf). Every token's weight
+// comes from the same function (the tail through a padded vector too): equal logits must get
+// equal weights, or top-p's order among them would not be by id.
 void exponentiate(float* w, int64_t vocab) {
-  int64_t i = 0;
 #ifdef HAVE_AVX2_FMA
   const __m256 smallest = _mm256_set1_ps(kSmallestScaled);
-  for (; i + kLanes <= vocab; i += kLanes) {
-    const __m256 s = _mm256_loadu_ps(w + i);
-    const __m256 kept = _mm256_cmp_ps(s, smallest, _CMP_GE_OQ);
-    _mm256_storeu_ps(w + i, _mm256_and_ps(exp8(s), kept));
+  auto eight = [&](float* p) {
+    const __m256 s = _mm256_loadu_ps(p);
+    _mm256_storeu_ps(p, _mm256_and_ps(exp8(s), _mm256_cmp_ps(s, smallest, _CMP_GE_OQ)));
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= vocab; i += kLanes) eight(w + i);
+  if (i < vocab) {
+    float tail[kLanes];
+    std::fill(tail, tail + kLanes, kNegInf);
+    std::copy(w + i, w + vocab, tail);
+    eight(tail);
+    std::copy(tail, tail + (vocab - i), w + i);
   }
+#else
+  for (int64_t i = 0; i < vocab; ++i) w[i] = w[i] >= kSmallestScaled ? std::exp(w[i]) : 0.f;
 #endif
-  for (; i < vocab; ++i) w[i] = w[i] >= kSmallestScaled ? std::exp(w[i]) : 0.f;
 }
 
 // The sum of w[0 .. vocab), each kBlock tokens' partial sum in float (eight lanes, then across
@@ -155,7 +165,7 @@ void keep_top_p(float* w, int64_t vocab, double top_p, double total) {
     });
     size_t kept = 0;
     while (kept < members.size() && before < target) before += members[kept++].first;
-    if (kept == members.size()) continue;  // rounding: the bin's own sum fell short, the next bin crosses
+    if (before < target) continue;  // rounding: the bin's own sum fell short, the next bin crosses
     // Every token of an earlier bin outweighs every token of this one, so what stays is whatever
     // comes before this bin's first dropped member in (weight desc, id asc) order.
     const auto [last_weight, last_id] = kept ? members[kept - 1] : std::pair<float, int64_t>{members[0].first, -1};
@@ -165,6 +175,8 @@ void keep_top_p(float* w, int64_t vocab, double top_p, double total) {
     }
     return;
   }
+  // No cut among the candidates (rounding only): whatever lies under the floor is still past it.
+  for (int64_t t = 0; t < vocab; ++t) w[t] = w[t] < floor ? 0.f : w[t];
 }
 
 // The row's token: the first, in id order, at which the running sum of the kept weights passes
@@ -265,7 +277,11 @@ at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std:
   at::parallel_for(0, rows, rows * vocab >= kMinParallelWork ? 1 : rows, [&](int64_t begin, int64_t end) {
     std::vector<float> w(vocab), scratch, blocks((vocab + kBlock - 1) / kBlock);
     for (int64_t r = begin; r < end; ++r) {
-      const RowSettings row{static_cast<float>(temperatures[r]), top_k[r], top_p[r], min_p[r], u_ptr[r]};
+      // A temperature float32 cannot hold (under its smallest normal, over its largest) is held to its
+      // range, as torch's path does: 0 or inf would make the scaled row NaN.
+      const float temperature = std::clamp(static_cast<float>(temperatures[r]), std::numeric_limits<float>::min(),
+                                           std::numeric_limits<float>::max());
+      const RowSettings row{temperature, top_k[r], top_p[r], min_p[r], u_ptr[r]};
       out_ptr[r] = sample_row(in + r * row_stride, vocab, row, w, scratch, blocks);
     }
   });
