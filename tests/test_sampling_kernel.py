@@ -29,7 +29,7 @@ MARGIN = 1e-5
 
 def kernel_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
     return KERNELS.sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params], uniforms).tolist()
+                               [p.top_p for p in params], [p.min_p for p in params], uniforms.tolist()).tolist()
 
 
 def torch_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
@@ -134,7 +134,8 @@ def test_each_row_takes_the_rules_token(path, vocab_size):
 def test_a_build_without_avx2_takes_the_rules_token(portable_kernels, vocab_size):
     def portable_path(x, params, uniforms):
         return portable_kernels.sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
-                                            [p.top_p for p in params], [p.min_p for p in params], uniforms).tolist()
+                                            [p.top_p for p in params], [p.min_p for p in params],
+                                            uniforms.tolist()).tolist()
 
     assert_rules_tokens(portable_path, vocab_size)
 
@@ -234,13 +235,13 @@ def test_any_row_gives_a_token_in_range_with_a_finite_logit_where_one_is(values,
 @needs_kernels
 def test_the_kernel_refuses_settings_outside_their_ranges():
     x = torch.zeros(1, 4)
-    u = torch.zeros(1, dtype=torch.float64)
+    u = [0.0]
     for temperature, top_k, top_p, min_p in ((0.0, 0, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (1.0, 0, 0.0, 0.0),
                                              (1.0, 0, 1.5, 0.0), (1.0, 0, 1.0, -0.1)):
         with pytest.raises(RuntimeError, match="sample_rows: row 0"):
             KERNELS.sample_rows(x, [temperature], [top_k], [top_p], [min_p], u)
-    with pytest.raises(RuntimeError, match="uniforms"):
-        KERNELS.sample_rows(x, [1.0], [0], [1.0], [0.0], torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="one uniform per row"):
+        KERNELS.sample_rows(x, [1.0], [0], [1.0], [0.0], [0.0, 0.5])
 
 
 @needs_kernels

@@ -29,6 +29,7 @@ __all__ = [
     "apply_top_k_top_p_min_p",
     "draw_by_uniforms",
     "make_generator",
+    "position_uniform",
     "sample_rows_torch",
     "token_seed",
     "top_logprobs",
@@ -57,6 +58,19 @@ def token_seed(seed: int, output_index: int) -> int:
     return mixed % MAX_SEED
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int) -> float:
+    """The uniform in [0, 1) a seeded row draws with, from its position's seed (token_seed): splitmix64's
+    finaliser over the seed's bits, the top 53 as the fraction. A function of (seed, output index) alone, so
+    it reproduces whatever the batch, the worker or the version of torch, and costs no generator."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """One row per request in the step, in the order of the logits rows."""
@@ -72,9 +86,9 @@ class SamplingBatch:
     eos_token_ids: list[Sequence[int]] | None = None
     # Per row, the request's structured-output Constraint (worker/constraints.py) or None. None: no row has one.
     constraints: list | None = None
-    # Per row, the seed its generator is set to right before the row draws (token_seed of the row's output
-    # position), or None to draw from the generator as it stands. Seeding at the draw lets several rows of
-    # one request (a speculative draft's positions) share its generator, and a retried step draw the same.
+    # Per row, the seed of the row's output position (token_seed), from which it draws (position_uniform), or
+    # None to draw from its generator as it stands. A seed per position lets several rows of one request (a
+    # speculative draft's positions) draw apart, and a retried or resumed step draw the same.
     seeds: list[int | None] | None = None
 
 
@@ -109,7 +123,7 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
     return tuple(zip(candidates[order].tolist(), values[order].tolist()))
 
 
-def sample_rows_torch(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> torch.Tensor:
+def sample_rows_torch(x: torch.Tensor, params: list[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:
     """Token ids [S] for logits x [S, V] (float, modified in place) by torch on any device: each row's
     temperature, top-k, top-p and min-p (apply_top_k_top_p_min_p's rules), then draw_by_uniforms. Our CPU
     kernel (sample_rows) computes the same."""
@@ -129,7 +143,7 @@ def sample_rows_torch(x: torch.Tensor, params: list[SamplingParams], uniforms: t
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
     apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
-    return draw_by_uniforms(torch.softmax(x, dim=-1), uniforms)
+    return draw_by_uniforms(torch.softmax(x, dim=-1), torch.as_tensor(uniforms, dtype=torch.float64, device=device))
 
 
 def draw_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -367,36 +381,34 @@ class Sampler:
         """Sample one token per row of x [S, V] (float32, modified in place); returns token ids [S]. A row with
         a seed sets its generator to it first (SamplingBatch.seeds).
 
-        Each row draws one uniform u from its own stream (its generator, or the sampler's for unseeded rows)
-        and takes the first token, in id order, at which the running sum of its filtered probabilities passes
+        Each row draws one uniform u (its position's, from its seed; else from its generator, or the sampler's
+        for unseeded rows) and takes the first token, in id order, at which the running sum of its filtered probabilities passes
         u: inverse-CDF sampling, exact for any distribution, so a row's token depends only on its logits and
         its u, never on the batch around it."""
-        uniforms = self._uniforms(generators, seeds, x.shape[0], x.device)  # [S] float64
+        uniforms = self._uniforms(generators, seeds)  # [S]
         if self._sample_rows is not None and x.is_cpu:
             return self._sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
                                      [p.top_p for p in params], [p.min_p for p in params], uniforms)
         return sample_rows_torch(x, params, uniforms)
 
-    def _uniforms(self, generators: list[torch.Generator | None], seeds: list[int | None] | None, num_rows: int,
-                  device: torch.device) -> torch.Tensor:
-        """One uniform in [0, 1) per row [S] float64: a seeded row's from its own generator (set to its seed
-        for the draw where one is given), the others' from the sampler's."""
-        uniforms = torch.empty(num_rows, dtype=torch.float64, device=device)
+    def _uniforms(self, generators: list[torch.Generator | None], seeds: list[int | None] | None) -> list[float]:
+        """One uniform in [0, 1) per row: a row with a seed for this draw takes its position's
+        (position_uniform), a seeded row without one draws from its generator as it stands, and the others
+        draw from the sampler's generator, one call for all of them."""
+        uniforms = [0.0] * len(generators)
         unseeded = []
         for i, g in enumerate(generators):
-            if g is None:
+            seed = seeds[i] if seeds is not None else None
+            if seed is not None:
+                uniforms[i] = position_uniform(seed)
+            elif g is not None:
+                uniforms[i] = torch.rand((), dtype=torch.float64, generator=g, device=g.device).item()
+            else:
                 unseeded.append(i)
-                continue
-            if seeds is not None and seeds[i] is not None:
-                g.manual_seed(seeds[i])
-            # A seeded row draws exactly one value per sampled position from its own generator, nothing else.
-            uniforms[i:i + 1].uniform_(generator=g)
-        if len(unseeded) == num_rows:
-            uniforms.uniform_(generator=self._generator)
-        elif unseeded:
-            index = torch.tensor(unseeded, device=device)
-            noise = torch.empty(len(unseeded), dtype=torch.float64, device=device).uniform_(generator=self._generator)
-            uniforms.index_copy_(0, index, noise)
+        if unseeded:
+            drawn = torch.rand(len(unseeded), dtype=torch.float64, generator=self._generator, device=self.device)
+            for i, u in zip(unseeded, drawn.tolist()):
+                uniforms[i] = u
         return uniforms
 
     def _validate(self, logits: torch.Tensor, batch: SamplingBatch) -> int:

@@ -79,7 +79,7 @@ void head_rms_norm(at::Tensor qkv, at::Tensor q_weight, at::Tensor k_weight, int
 
 // sampling.cpp
 at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std::vector<int64_t> top_k,
-                       std::vector<double> top_p, std::vector<double> min_p, at::Tensor uniforms);
+                       std::vector<double> top_p, std::vector<double> min_p, std::vector<double> uniforms);
 std::optional<int64_t> repetition_penalty_rows(at::Tensor logits, std::vector<int64_t> rows,
                                                std::vector<std::vector<int64_t>> histories,
                                                std::vector<double> penalties);

@@ -254,7 +254,7 @@ int64_t sample_row(const float* logits, int64_t vocab, const RowSettings& row, s
 }  // namespace
 
 at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std::vector<int64_t> top_k,
-                       std::vector<double> top_p, std::vector<double> min_p, at::Tensor uniforms) {
+                       std::vector<double> top_p, std::vector<double> min_p, std::vector<double> uniforms) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "sample_rows: float32 [S, V] logits on the CPU with contiguous rows");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
@@ -262,14 +262,11 @@ at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std:
   TORCH_CHECK(static_cast<int64_t>(temperatures.size()) == rows && static_cast<int64_t>(top_k.size()) == rows &&
                   static_cast<int64_t>(top_p.size()) == rows && static_cast<int64_t>(min_p.size()) == rows,
               "sample_rows: one temperature, top_k, top_p and min_p per row");
-  TORCH_CHECK(uniforms.device().is_cpu() && uniforms.dtype() == at::kDouble && uniforms.dim() == 1 &&
-                  uniforms.size(0) == rows, "sample_rows: float64 uniforms [S] on the CPU");
+  TORCH_CHECK(static_cast<int64_t>(uniforms.size()) == rows, "sample_rows: one uniform per row");
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(temperatures[r] > 0 && top_k[r] >= 0 && top_p[r] > 0 && top_p[r] <= 1 && min_p[r] >= 0 &&
                     min_p[r] <= 1, "sample_rows: row ", r, " has temperature ", temperatures[r], ", top_k ",
                 top_k[r], ", top_p ", top_p[r], ", min_p ", min_p[r]);
-  const at::Tensor u = uniforms.contiguous();
-  const double* u_ptr = u.data_ptr<double>();
   at::Tensor out = logits.new_empty({rows}, at::kLong);
   int64_t* out_ptr = out.data_ptr<int64_t>();
   const float* in = logits.data_ptr<float>();
@@ -281,7 +278,7 @@ at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std:
       // range, as torch's path does: 0 or inf would make the scaled row NaN.
       const float temperature = std::clamp(static_cast<float>(temperatures[r]), std::numeric_limits<float>::min(),
                                            std::numeric_limits<float>::max());
-      const RowSettings row{temperature, top_k[r], top_p[r], min_p[r], u_ptr[r]};
+      const RowSettings row{temperature, top_k[r], top_p[r], min_p[r], uniforms[r]};
       out_ptr[r] = sample_row(in + r * row_stride, vocab, row, w, scratch, blocks);
     }
   });
