@@ -37,7 +37,9 @@ __all__ = [
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator the engine keeps for one seeded request, for the request's whole life.
+    """The generator the engine keeps for one seeded request, for the request's whole life: a row of it draws
+    from it only where the batch gives no seed for the row's position (SamplingBatch.seeds; the engine gives
+    one for every seeded row, so its rows draw position_uniform's).
 
     Only that request draws from it, which is what makes its tokens independent of the rest of the batch."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
@@ -378,8 +380,8 @@ class Sampler:
         self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
         seeds: list[int | None] | None = None,
     ) -> torch.Tensor:
-        """Sample one token per row of x [S, V] (float32, modified in place); returns token ids [S]. A row with
-        a seed sets its generator to it first (SamplingBatch.seeds).
+        """Sample one token per row of x [S, V] (float32; torch's path modifies it in place); returns token
+        ids [S].
 
         Each row draws one uniform u (its position's, from its seed; else from its generator, or the sampler's
         for unseeded rows) and takes the first token, in id order, at which the running sum of its filtered probabilities passes
