@@ -1,7 +1,7 @@
 """`python -m bench.sampling`: what sampling a token costs, our CPU kernels against the torch path (not part of
 `make test`).
 
-The torch path (worker.sampler.sample_rows_torch, apply_repetition_penalty) is what every device other
+The torch path (worker.sampling_draws.sample_rows_torch, apply_repetition_penalty) is what every device other
 than a CPU with our kernels runs; on the CPU the Sampler takes our kernels (worker/model/csrc/sampling.cpp).
 Both are measured in one process, alternating round by round with the order flipped every round:
 
@@ -39,13 +39,14 @@ def sampled_params(seed: int | None = 0, max_tokens: int = 1):
 
 def use_torch_path(sampler, on: bool, kernels) -> None:
     """Points the sampler at torch's path (on) or back at our kernels."""
-    sampler._sample_rows = None if on else kernels.sample_rows
-    sampler._repetition_penalty_rows = None if on else kernels.repetition_penalty_rows
+    for name in ("sample_rows", "repetition_penalty_rows", "presence_frequency_rows"):
+        setattr(sampler, f"_{name}", None if on else getattr(kernels, name))
 
 
 def time_sampler(rows: int, vocab: int, rounds: int, calls: int) -> dict:
     from worker.model import cpu_kernels
-    from worker.sampler import Sampler, SamplingBatch, make_generator
+    from worker.sampler import Sampler, SamplingBatch
+    from worker.sampling_draws import make_generator
     kernels = cpu_kernels.load()
     gen = torch.Generator().manual_seed(vocab + rows)
     logits = torch.randn(rows, vocab, generator=gen) * 4

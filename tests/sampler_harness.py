@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from worker.sampler import SamplingBatch, make_generator
+from worker.sampler import SamplingBatch
+from worker.sampling_draws import make_generator
 
 
 def make_batch(params, histories=None, generators=None) -> SamplingBatch:

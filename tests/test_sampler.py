@@ -8,8 +8,8 @@ import torch
 
 from sampler_harness import log_probs, make_batch
 from shared.sampling_params import SamplingParams
-from worker.sampler import (Sampler, SamplingBatch, apply_repetition_penalty, make_generator, position_uniform,
-                            token_seed)
+from worker.sampler import Sampler, SamplingBatch, apply_repetition_penalty
+from worker.sampling_draws import make_generator, position_uniform, token_seed
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

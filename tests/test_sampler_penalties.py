@@ -8,7 +8,8 @@ import torch
 
 from shared.sampling_params import SamplingParams
 from worker.logits_processors import apply_logit_bias, apply_min_tokens, apply_presence_frequency_penalties
-from worker.sampler import Sampler, SamplingBatch, make_generator, top_logprobs
+from worker.sampler import Sampler, SamplingBatch, top_logprobs
+from worker.sampling_draws import make_generator
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from sampler_harness import reference_keep
 from shared.sampling_params import SamplingParams
 from worker.model import cpu_kernels
-from worker.sampler import apply_repetition_penalty, sample_rows_torch
+from worker.sampler import apply_repetition_penalty
+from worker.sampling_draws import sample_rows_torch
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 KERNELS = cpu_kernels.load()
@@ -27,9 +28,14 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="our CPU kernels did 
 MARGIN = 1e-5
 
 
+def kernel_arguments(params: list[SamplingParams], uniforms: torch.Tensor) -> tuple[list, ...]:
+    """sample_rows' arguments after the logits."""
+    return ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+            [p.min_p for p in params], uniforms.tolist())
+
+
 def kernel_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
-    return KERNELS.sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
-                               [p.top_p for p in params], [p.min_p for p in params], uniforms.tolist()).tolist()
+    return KERNELS.sample_rows(x, *kernel_arguments(params, uniforms)).tolist()
 
 
 def torch_path(x: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor) -> list[int]:
@@ -133,9 +139,7 @@ def test_each_row_takes_the_rules_token(path, vocab_size):
 @pytest.mark.parametrize("vocab_size", [7, 1000])
 def test_a_build_without_avx2_takes_the_rules_token(portable_kernels, vocab_size):
     def portable_path(x, params, uniforms):
-        return portable_kernels.sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],
-                                            [p.top_p for p in params], [p.min_p for p in params],
-                                            uniforms.tolist()).tolist()
+        return portable_kernels.sample_rows(x, *kernel_arguments(params, uniforms)).tolist()
 
     assert_rules_tokens(portable_path, vocab_size)
 

@@ -16,7 +16,8 @@ import torch
 
 from shared.sampling_params import SamplingParams
 from worker.model_runner import SequenceStep, sampling_batch
-from worker.sampler import Sampler, make_generator, token_seed
+from worker.sampler import Sampler
+from worker.sampling_draws import make_generator, token_seed
 
 V = 6
 NUM_DRAWS = 20000

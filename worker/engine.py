@@ -28,7 +28,7 @@ from worker.model_runner import OutOfMemory, SequenceStep
 from worker.outputs import RequestDelta, RequestOutput, delta_for
 from worker.prompt_logprobs import PromptScoring, scoring_for
 from worker.request import Request, RequestStatus
-from worker.sampler import make_generator, token_seed
+from worker.sampling_draws import make_generator, token_seed
 from worker.scheduled_step import ScheduledRequest, StepFailure
 from worker.scheduler import RequestRejectedError
 from worker.speculative import NgramSpeculation

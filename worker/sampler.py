@@ -1,6 +1,7 @@
 """Turns one step's logits [B, V] into next tokens for a batch of requests with different SamplingParams.
-Owns logits processing (with worker/logits_processors.py), randomness and logprobs: it never schedules, never
-detokenizes, never checks stop conditions."""
+Owns logits processing (with worker/logits_processors.py), the draw (with worker/sampling_draws.py, which says
+where each row's randomness comes from) and logprobs: it never schedules, never detokenizes, never checks stop
+conditions."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from shared.sampling_params import MAX_SEED, SamplingParams, TopLogprobs
+from shared.sampling_params import SamplingParams, TopLogprobs
 from worker.constraints import mask_rows
 from worker.logits_processors import (
     apply_logit_bias,
@@ -20,6 +21,7 @@ from worker.logits_processors import (
 )
 from worker.model import cpu_kernels
 from worker.non_finite_logits import finite_token_ids, non_finite_rows
+from worker.sampling_draws import position_uniform, sample_rows_torch
 
 __all__ = [
     "Sampler",
@@ -27,50 +29,8 @@ __all__ = [
     "SamplingBatch",
     "apply_repetition_penalty",
     "apply_top_k_top_p_min_p",
-    "draw_by_uniforms",
-    "make_generator",
-    "position_uniform",
-    "sample_rows_torch",
-    "token_seed",
     "top_logprobs",
 ]
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator the engine keeps for one seeded request, for the request's whole life: a row of it draws
-    from it only where the batch gives no seed for the row's position (SamplingBatch.seeds; the engine gives
-    one for every seeded row, so its rows draw position_uniform's).
-
-    Only that request draws from it, which is what makes its tokens independent of the rest of the batch."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-    generator = torch.Generator(device=torch.device(device))
-    generator.manual_seed(seed)
-    return generator
-
-
-def token_seed(seed: int, output_index: int) -> int:
-    """The seed for a seeded request's output token number `output_index`.
-
-    Deriving each token's randomness from (seed, position) rather than from a generator's
-    running state makes a seeded request resumable: a worker that picks it up after another
-    worker died, or after a preemption, draws exactly what the first one would have."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    mixed ^= mixed >> 31
-    return mixed % MAX_SEED
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def position_uniform(seed: int) -> float:
-    """The uniform in [0, 1) a seeded row draws with, from its position's seed (token_seed): splitmix64's
-    finaliser over the seed's bits, the top 53 as the fraction. A function of (seed, output index) alone, so
-    it reproduces whatever the batch, the worker or the version of torch, and costs no generator."""
-    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
 @dataclass(slots=True)
@@ -123,41 +83,6 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> TopLogprobs:
     values = logprobs.index_select(0, candidates)  # [C]
     order = torch.sort(values, descending=True, stable=True).indices[:k]  # [k]
     return tuple(zip(candidates[order].tolist(), values[order].tolist()))
-
-
-def sample_rows_torch(x: torch.Tensor, params: list[SamplingParams], uniforms: Sequence[float]) -> torch.Tensor:
-    """Token ids [S] for logits x [S, V] (float, modified in place) by torch on any device: each row's
-    temperature, top-k, top-p and min-p (apply_top_k_top_p_min_p's rules), then draw_by_uniforms. Our CPU
-    kernel (sample_rows) computes the same."""
-    device = x.device
-    # Held to float32's normal range: a temperature rounding to 0 or inf would make the row NaN.
-    finfo = torch.finfo(torch.float32)
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).clamp_(
-        finfo.tiny, finfo.max)  # [S]
-    # Shift so each row's max is 0 before dividing: softmax is unchanged, and a tiny temperature then sends
-    # the rest to -inf instead of overflowing to inf (inf - inf would be NaN in softmax).
-    x.sub_(x.amax(dim=-1, keepdim=True)).div_(temperature.unsqueeze(1))
-    top_k = top_p = min_p = None
-    if any(p.top_k > 0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-    apply_top_k_top_p_min_p(x, top_k, top_p, min_p)
-    return draw_by_uniforms(torch.softmax(x, dim=-1), torch.as_tensor(uniforms, dtype=torch.float64, device=device))
-
-
-def draw_by_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token ids [S] for probabilities [S, V] (rows need not sum to 1) and uniforms [S] in [0, 1): per row the
-    first token, in id order, at which the running sum passes u times the row's total. A token of probability
-    0 is never taken; where u * total rounds to the total itself, the row's last token with probability is."""
-    cumulative = probs.double().cumsum(dim=-1)  # [S, V]
-    target = uniforms.unsqueeze(1) * cumulative[:, -1:]  # [S, 1]
-    chosen = torch.searchsorted(cumulative, target, right=True).squeeze(1)  # [S], V where nothing passes
-    vocab_size = probs.shape[1]
-    last = vocab_size - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)  # [S]
-    return torch.minimum(chosen, last)
 
 
 class Sampler:
@@ -384,9 +309,9 @@ class Sampler:
         ids [S].
 
         Each row draws one uniform u (its position's, from its seed; else from its generator, or the sampler's
-        for unseeded rows) and takes the first token, in id order, at which the running sum of its filtered probabilities passes
-        u: inverse-CDF sampling, exact for any distribution, so a row's token depends only on its logits and
-        its u, never on the batch around it."""
+        for unseeded rows) and takes the first token, in id order, at which the running sum of its filtered
+        probabilities passes u: inverse-CDF sampling, exact for any distribution, so a row's token depends
+        only on its logits and its u, never on the batch around it."""
         uniforms = self._uniforms(generators, seeds)  # [S]
         if self._sample_rows is not None and x.is_cpu:
             return self._sample_rows(x, [p.temperature for p in params], [p.top_k for p in params],

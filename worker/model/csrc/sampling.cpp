@@ -167,8 +167,9 @@ void keep_top_p(float* w, int64_t vocab, double top_p, double total) {
     while (kept < members.size() && before < target) before += members[kept++].first;
     if (before < target) continue;  // rounding: the bin's own sum fell short, the next bin crosses
     // Every token of an earlier bin outweighs every token of this one, so what stays is whatever
-    // comes before this bin's first dropped member in (weight desc, id asc) order.
-    const auto [last_weight, last_id] = kept ? members[kept - 1] : std::pair<float, int64_t>{members[0].first, -1};
+    // comes before this bin's first dropped member in (weight desc, id asc) order. Each bin starts
+    // under the target, so its first member always stays (kept >= 1).
+    const auto [last_weight, last_id] = members[kept - 1];
     for (int64_t t = 0; t < vocab; ++t) {
       const bool stays = w[t] > last_weight || (w[t] == last_weight && t <= last_id);
       w[t] = stays ? w[t] : 0.f;
@@ -285,20 +286,33 @@ at::Tensor sample_rows(at::Tensor logits, std::vector<double> temperatures, std:
   return out;
 }
 
+namespace {
+
+// The checks both in-place edits make before changing anything: float32 logits with contiguous
+// rows, each listed row inside them with a token list of its own; returns the first token id
+// outside the vocabulary, which the caller reports (nothing is edited then).
+std::optional<int64_t> id_outside_vocabulary(const at::Tensor& logits, const std::vector<int64_t>& rows,
+                                             const std::vector<std::vector<int64_t>>& token_lists, const char* kernel) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              kernel, ": float32 [B, V] logits on the CPU with contiguous rows");
+  TORCH_CHECK(rows.size() == token_lists.size(), kernel, ": one token list per row");
+  for (size_t j = 0; j < rows.size(); ++j) {
+    TORCH_CHECK(rows[j] >= 0 && rows[j] < logits.size(0), kernel, ": row ", rows[j], " outside the ", logits.size(0),
+                " rows");
+    for (const int64_t id : token_lists[j])
+      if (id < 0 || id >= logits.size(1)) return id;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::optional<int64_t> repetition_penalty_rows(at::Tensor logits, std::vector<int64_t> rows,
                                                std::vector<std::vector<int64_t>> histories,
                                                std::vector<double> penalties) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "repetition_penalty_rows: float32 [B, V] logits on the CPU with contiguous rows");
-  TORCH_CHECK(rows.size() == histories.size() && rows.size() == penalties.size(),
-              "repetition_penalty_rows: one history and one penalty per row");
+  TORCH_CHECK(histories.size() == penalties.size(), "repetition_penalty_rows: one history and one penalty per row");
+  if (const auto bad = id_outside_vocabulary(logits, rows, histories, "repetition_penalty_rows")) return bad;
   const int64_t vocab = logits.size(1);
-  for (size_t j = 0; j < rows.size(); ++j) {
-    TORCH_CHECK(rows[j] >= 0 && rows[j] < logits.size(0), "repetition_penalty_rows: row ", rows[j], " outside the ",
-                logits.size(0), " rows");
-    for (const int64_t id : histories[j])
-      if (id < 0 || id >= vocab) return id;  // nothing is changed: the caller reports the id
-  }
   std::vector<uint8_t> seen(vocab);
   for (size_t j = 0; j < rows.size(); ++j) {
     float* row = logits.data_ptr<float>() + rows[j] * logits.stride(0);
@@ -318,17 +332,10 @@ std::optional<int64_t> repetition_penalty_rows(at::Tensor logits, std::vector<in
 std::optional<int64_t> presence_frequency_rows(at::Tensor logits, std::vector<int64_t> rows,
                                                std::vector<std::vector<int64_t>> outputs,
                                                std::vector<double> presence, std::vector<double> frequency) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "presence_frequency_rows: float32 [B, V] logits on the CPU with contiguous rows");
-  TORCH_CHECK(rows.size() == outputs.size() && rows.size() == presence.size() && rows.size() == frequency.size(),
+  TORCH_CHECK(outputs.size() == presence.size() && outputs.size() == frequency.size(),
               "presence_frequency_rows: one output history and two penalties per row");
+  if (const auto bad = id_outside_vocabulary(logits, rows, outputs, "presence_frequency_rows")) return bad;
   const int64_t vocab = logits.size(1);
-  for (size_t j = 0; j < rows.size(); ++j) {
-    TORCH_CHECK(rows[j] >= 0 && rows[j] < logits.size(0), "presence_frequency_rows: row ", rows[j],
-                " outside the ", logits.size(0), " rows");
-    for (const int64_t id : outputs[j])
-      if (id < 0 || id >= vocab) return id;  // nothing is changed: the caller reports the id
-  }
   std::vector<int64_t> counts(vocab), seen;
   for (size_t j = 0; j < rows.size(); ++j) {
     float* row = logits.data_ptr<float>() + rows[j] * logits.stride(0);
